@@ -1,0 +1,33 @@
+# The two set-up commands of the README: `make run` (main job) and `make test`.
+# Each installs what it needs into .venv in this checkout first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint bench-planner protos
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/quillcache demo
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/gen_protos.py --check
+
+test: lint
+	$(VENV)/bin/pytest
+
+bench-planner: install
+	$(VENV)/bin/quillcache bench-planner
+
+protos: install
+	$(PY) scripts/gen_protos.py

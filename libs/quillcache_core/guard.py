@@ -1,0 +1,50 @@
+"""The reuse guard: content matches of another identity are refused, never reused."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from quillcache_core.model import CacheResidency, IdentityScope
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A residency whose content hash matched a request's block but whose identity did not."""
+
+    block_index: int
+    block_hash: str
+    worker_id: str
+    reason: str  # "model", "tokenizer", "adapter" or "tenant"
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseAudit:
+    """Per block (in request order), the residencies safe to reuse; plus every refusal."""
+
+    usable: list[list[CacheResidency]]
+    refusals: list[Refusal]
+
+
+def audit_reuse(scope: IdentityScope, located: Sequence[Sequence[CacheResidency]]) -> ReuseAudit:
+    """Split located residencies into usable (same identity) and refused (any other).
+
+    `located[i]` are the residencies found by content hash for the request's block i.
+    A residency is usable only if model, tokenizer, adapter (including its absence)
+    and tenant all equal the request's; the refusal names the first field that
+    differs. Pure and O(residencies).
+    """
+    usable: list[list[CacheResidency]] = []
+    refusals: list[Refusal] = []
+    for index, found in enumerate(located):
+        ok: list[CacheResidency] = []
+        for residency in found:
+            reason = scope.mismatch(residency.key)
+            if reason is None:
+                ok.append(residency)
+            else:
+                refusals.append(
+                    Refusal(index, residency.key.block_hash, residency.worker_id, reason)
+                )
+        usable.append(ok)
+    return ReuseAudit(usable=usable, refusals=refusals)

@@ -1,0 +1,30 @@
+"""Residency index backends and the factory that picks one by name."""
+
+from __future__ import annotations
+
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.lmdb_index import LmdbIndex
+from quillcache_core.index.memory import MemoryIndex
+
+__all__ = ["IndexBackend", "LmdbIndex", "MemoryIndex", "open_index"]
+
+BACKENDS = ("memory", "lmdb")
+
+
+def open_index(backend: str, path: str | None = None) -> IndexBackend:
+    """Open the index backend named `backend` ("memory" or "lmdb", any case).
+
+    "lmdb" needs `path`, the environment directory (created if missing); "memory"
+    ignores it. Raises InvalidArgument for an unknown name or lmdb without a path.
+    """
+    name = str(backend).strip().lower()
+    if name == "memory":
+        return MemoryIndex()
+    if name == "lmdb":
+        if not path:
+            raise InvalidArgument("index backend 'lmdb' needs a path (the environment directory)")
+        return LmdbIndex(path)
+    raise InvalidArgument(
+        f"unknown index backend {backend!r}; expected one of: {', '.join(BACKENDS)}"
+    )

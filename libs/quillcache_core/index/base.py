@@ -1,0 +1,82 @@
+"""The residency-index contract shared by every backend."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+
+from quillcache_core.model import CacheResidency, IdentityScope, IndexMetrics, KvBlockKey
+
+
+class IndexBackend(abc.ABC):
+    """Maps block identity to residency: which worker and tier hold each block.
+
+    A block may be resident on several workers, and on several tiers of one worker.
+    `put` replaces the record for the same (key, worker, tier). Backends hold metadata
+    only, never KV bytes. Not thread-safe: the owner serialises calls.
+    """
+
+    name: str = "abstract"
+
+    @property
+    def persistent(self) -> bool:
+        """Whether residency survives a process restart."""
+        return False
+
+    @abc.abstractmethod
+    def put(self, residency: CacheResidency) -> None: ...
+
+    def put_many(self, residencies: Iterable[CacheResidency]) -> None:
+        """Put several records; persistent backends commit them together."""
+        for residency in residencies:
+            self.put(residency)
+
+    @abc.abstractmethod
+    def locate(self, key: KvBlockKey) -> list[CacheResidency]:
+        """Every residency of exactly this key."""
+
+    @abc.abstractmethod
+    def locate_hash(self, block_hash: str) -> list[CacheResidency]:
+        """Every residency whose key has this content hash, whatever its identity.
+
+        This is what the reuse guard audits: content matches of other identities are
+        returned here so they can be refused with a reason, never silently reused.
+        """
+
+    def locate_hashes(self, block_hashes: Iterable[str]) -> list[list[CacheResidency]]:
+        return [self.locate_hash(block_hash) for block_hash in block_hashes]
+
+    @abc.abstractmethod
+    def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
+        """Residencies in `scope` whose key's parent hash is `prefix_hash`."""
+
+    @abc.abstractmethod
+    def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
+        """Remove a block (all tiers) from one worker; returns records removed."""
+
+    @abc.abstractmethod
+    def remove_tier(self, worker_id: str, block_hash: str, tier: object) -> int:
+        """Remove one tier's copy of a block on one worker, any identity; records removed."""
+
+    @abc.abstractmethod
+    def clear_worker(self, worker_id: str) -> int:
+        """Drop everything on one worker; returns records removed."""
+
+    @abc.abstractmethod
+    def clear(self) -> None: ...
+
+    @abc.abstractmethod
+    def snapshot(self) -> list[CacheResidency]: ...
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def worker_block_count(self, worker_id: str) -> int:
+        """Records held by one worker (SGLang's tree size, /metrics)."""
+
+    @abc.abstractmethod
+    def metrics(self) -> IndexMetrics: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Release files; a no-op for in-memory backends."""

@@ -1,0 +1,105 @@
+"""A small Prometheus text-format registry: counters and gauges with labels.
+
+Not thread-safe: each service updates its metrics from its event loop. Gauges may be
+backed by a callable read at scrape time, so live values are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    if not names:
+        return ""
+    inner = ",".join(f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True))
+    return "{" + inner + "}"
+
+
+class _Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help_text: str, labels: Iterable[str] = ()) -> None:
+        self.name = name
+        self.help = help_text
+        self.label_names = tuple(labels)
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
+        if set(labels) != set(self.label_names):
+            raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(labels)}")
+        return tuple(str(labels[n]) for n in self.label_names)
+
+    def get(self, **labels: str) -> float:
+        return self.values.get(self._key(labels), 0.0)
+
+    def samples(self) -> Iterable[tuple[tuple[str, ...], float]]:
+        return self.values.items()
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        for key, value in sorted(self.samples()):
+            lines.append(f"{self.name}{_labels(self.label_names, key)} {_number(value)}")
+        return lines
+
+
+def _number(value: float) -> str:
+    if float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = self._key(labels)
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+
+class Gauge(_Metric):
+    kind = "gauge"
+
+    def __init__(
+        self,
+        name: str,
+        help_text: str,
+        labels: Iterable[str] = (),
+        read: Callable[[], Iterable[tuple[tuple[str, ...], float]]] | None = None,
+    ) -> None:
+        super().__init__(name, help_text, labels)
+        self._read = read
+
+    def set(self, value: float, **labels: str) -> None:
+        self.values[self._key(labels)] = value
+
+    def samples(self):
+        if self._read is not None:
+            return list(self._read())
+        return self.values.items()
+
+
+class MetricsRegistry:
+    def __init__(self, prefix: str = "quillcache_") -> None:
+        self.prefix = prefix
+        self._metrics: list[_Metric] = []
+
+    def counter(self, name: str, help_text: str, labels: Iterable[str] = ()) -> Counter:
+        metric = Counter(self.prefix + name, help_text, labels)
+        self._metrics.append(metric)
+        return metric
+
+    def gauge(self, name: str, help_text: str, labels: Iterable[str] = (), read=None) -> Gauge:
+        metric = Gauge(self.prefix + name, help_text, labels, read)
+        self._metrics.append(metric)
+        return metric
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for metric in self._metrics:
+            lines.extend(metric.render())
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,928 @@
+"""Node registry: who is in the fleet (engines, stores, conductors, transfer, gateways).
+
+Every node registers a `NodeRecord` under `/quillcache/v1/nodes/{kind}/{id}` with a
+lease (TTL). The owner keeps the lease alive in the background; when the owner dies
+the lease expires and the key disappears, so watchers see a "leave".
+
+Two implementations share the `NodeRegistry` interface:
+
+* `MemoryRegistry`: in-process, for unit tests and single-process runs.
+* `EtcdRegistry`: etcd v3 via `etcd3aio` (async gRPC).
+
+`open_registry("memory")` / `open_registry("etcd://127.0.0.1:2379")` picks one.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+import grpc
+import grpc.aio
+from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
+
+from quillcache_core.errors import InvalidArgument, NodeUnavailable
+
+log = logging.getLogger(__name__)
+
+NODES_PREFIX = "/quillcache/v1/nodes/"
+NODE_KINDS = ("engine", "store", "conductor", "transfer", "gateway")
+
+EventType = Literal["join", "leave", "update"]
+JOIN: EventType = "join"
+LEAVE: EventType = "leave"
+UPDATE: EventType = "update"
+
+_NodeKey = tuple[str, str]
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _check_part(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value or "/" in value:
+        raise InvalidArgument(f"node {what} must be a non-empty string without '/': {value!r}")
+    return value
+
+
+def node_key(kind: str, id: str) -> str:
+    """`/quillcache/v1/nodes/{kind}/{id}`; kind and id are non-empty and contain no '/'."""
+    return f"{NODES_PREFIX}{_check_part('kind', kind)}/{_check_part('id', id)}"
+
+
+def kind_prefix(kind: str | None) -> str:
+    """The key prefix for one kind (with the trailing '/'), or for all nodes."""
+    if kind is None:
+        return NODES_PREFIX
+    return f"{NODES_PREFIX}{_check_part('kind', kind)}/"
+
+
+def parse_node_key(key: str | bytes) -> _NodeKey | None:
+    """(kind, id) from a registry key, or None if the key is not a node key."""
+    if isinstance(key, bytes):
+        try:
+            key = key.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not key.startswith(NODES_PREFIX):
+        return None
+    parts = key[len(NODES_PREFIX) :].split("/")
+    if len(parts) != 2 or not parts[0] or not parts[1]:
+        return None
+    return parts[0], parts[1]
+
+
+# ------------------------------------------------------------------------ records
+
+_STR_FIELDS = (
+    "address",
+    "locality_domain",
+    "base_url",
+    "kv_events_endpoint",
+    "kv_replay_endpoint",
+    "model",
+    "tokenizer",
+    "store_node",
+    "version",
+)
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What one node tells the fleet about itself.
+
+    `kind` and `id` come from the key; the JSON value holds the rest. Unknown JSON keys
+    are kept in `extra` (and written back by `to_json`), so older readers tolerate
+    newer writers.
+    """
+
+    kind: str
+    id: str
+    address: str  # host:port of the node's gRPC server, or "" if it has none
+    locality_domain: str
+    base_url: str = ""
+    kv_events_endpoint: str = ""
+    kv_replay_endpoint: str = ""
+    model: str = ""
+    tokenizer: str = ""
+    store_node: str = ""
+    capacity_bytes: int = 0
+    version: str = ""
+    start_time_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        _check_part("kind", self.kind)
+        _check_part("id", self.id)
+
+    @property
+    def key(self) -> str:
+        return node_key(self.kind, self.id)
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name != "extra":
+                body[f.name] = getattr(self, f.name)
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, kind: str, id: str, data: bytes | str) -> NodeRecord:
+        """Decode a stored value. `kind`/`id` come from the key and win over the body.
+
+        Unknown keys go to `extra`; missing (or null) known keys take their defaults.
+        Raises InvalidArgument for invalid JSON, a non-object, or a known key whose
+        value has the wrong type."""
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"node {kind}/{id}: value is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise InvalidArgument(
+                f"node {kind}/{id}: value must be a JSON object, got {type(body).__name__}"
+            )
+        values: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for name, value in body.items():
+            if name in ("kind", "id"):
+                continue
+            if name in _STR_FIELDS:
+                if value is None:
+                    continue
+                if not isinstance(value, str):
+                    raise InvalidArgument(f"node {kind}/{id}: {name} must be a string")
+                values[name] = value
+            elif name == "capacity_bytes":
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidArgument(
+                        f"node {kind}/{id}: capacity_bytes must be a non-negative integer"
+                    )
+                values[name] = value
+            elif name == "start_time_s":
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise InvalidArgument(f"node {kind}/{id}: start_time_s must be a number")
+                values[name] = float(value)
+            else:
+                extra[name] = value
+        values.setdefault("address", "")
+        values.setdefault("locality_domain", "")
+        return cls(kind=kind, id=id, extra=extra, **values)
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """A change in the fleet. For a "leave", `record` is the last known record."""
+
+    type: EventType
+    record: NodeRecord
+
+    @property
+    def kind(self) -> str:
+        return self.record.kind
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+
+def _check_ttl(ttl_s: float) -> float:
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
+        raise InvalidArgument(f"ttl_s must be a positive number of seconds, got {ttl_s!r}")
+    if not math.isfinite(ttl_s):
+        raise InvalidArgument("ttl_s must be finite")
+    return float(ttl_s)
+
+
+def _diff(told: dict[_NodeKey, NodeRecord], now: dict[_NodeKey, NodeRecord]) -> list[NodeEvent]:
+    """Events that move a watcher from what it was told to the current state."""
+    events = [NodeEvent(LEAVE, rec) for key, rec in told.items() if key not in now]
+    for key, rec in now.items():
+        old = told.get(key)
+        if old is None:
+            events.append(NodeEvent(JOIN, rec))
+        elif old != rec:
+            events.append(NodeEvent(UPDATE, rec))
+    return events
+
+
+# ---------------------------------------------------------------------- interface
+
+
+class NodeRegistry(abc.ABC):
+    """Register this node, list the fleet, watch it change. All methods are async."""
+
+    @abc.abstractmethod
+    async def register(self, record: NodeRecord, ttl_s: float) -> None:
+        """Publish `record` with a lease of `ttl_s` seconds and keep it alive in the
+        background until `deregister`/`close`. Registering the same (kind, id) again
+        replaces the record (watchers see an "update")."""
+
+    @abc.abstractmethod
+    async def deregister(self, kind: str, id: str) -> None:
+        """Stop keeping the node alive and remove it at once. No-op if not registered
+        through this registry."""
+
+    @abc.abstractmethod
+    async def list(self, kind: str | None = None) -> list[NodeRecord]:
+        """Current records (of one kind, or all), sorted by (kind, id)."""
+
+    @abc.abstractmethod
+    async def get(self, kind: str, id: str) -> NodeRecord | None:
+        """One record, or None."""
+
+    @abc.abstractmethod
+    def watch(self, kind: str | None = None) -> AsyncIterator[NodeEvent]:
+        """A "join" for every current node (one consistent snapshot), then live events.
+
+        Stops when the registry is closed or the consumer stops iterating."""
+
+    async def stop_keepalive(self, kind: str, id: str) -> None:
+        """Fault injection: stop keeping the lease alive without revoking it, as if
+        this process had hung or crashed. The node disappears once its TTL runs out."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop keepalives, remove this process's registrations, end watches."""
+
+    async def __aenter__(self) -> NodeRegistry:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+_END = object()
+
+
+@dataclass
+class _Failure:
+    exc: BaseException
+
+
+# ------------------------------------------------------------------------- memory
+
+
+@dataclass
+class _MemLease:
+    ttl_s: float
+    timer: asyncio.TimerHandle | None = None  # set once keepalive stops
+
+
+class MemoryRegistry(NodeRegistry):
+    """In-process registry. Registrations stay alive until `deregister`/`close`;
+    `stop_keepalive` arms a TTL timer (loop.call_later) that removes the node, and
+    `expire` removes it at once (a simulated lease loss; no automatic re-register)."""
+
+    def __init__(self) -> None:
+        self._records: dict[_NodeKey, NodeRecord] = {}
+        self._leases: dict[_NodeKey, _MemLease] = {}
+        self._watchers: dict[asyncio.Queue[object], str | None] = {}
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NodeUnavailable("registry is closed")
+
+    async def register(self, record: NodeRecord, ttl_s: float) -> None:
+        self._check_open()
+        ttl_s = _check_ttl(ttl_s)
+        key = (record.kind, record.id)
+        self._cancel_lease(key)
+        self._leases[key] = _MemLease(ttl_s)
+        old = self._records.get(key)
+        self._records[key] = record
+        log.info("registered %s/%s (memory, ttl %.1fs)", record.kind, record.id, ttl_s)
+        self._publish(NodeEvent(UPDATE if old is not None else JOIN, record))
+
+    async def deregister(self, kind: str, id: str) -> None:
+        key = (_check_part("kind", kind), _check_part("id", id))
+        self._cancel_lease(key)
+        if self._remove(key):
+            log.info("deregistered %s/%s (memory)", kind, id)
+
+    async def stop_keepalive(self, kind: str, id: str) -> None:
+        key = (_check_part("kind", kind), _check_part("id", id))
+        lease = self._leases.get(key)
+        if lease is not None and lease.timer is None:
+            loop = asyncio.get_running_loop()
+            lease.timer = loop.call_later(lease.ttl_s, self._on_lease_expired, key)
+
+    def expire(self, kind: str, id: str) -> bool:
+        """Simulate a lease loss now: the node is removed and watchers see a "leave".
+        Returns whether the node existed."""
+        key = (_check_part("kind", kind), _check_part("id", id))
+        self._cancel_lease(key)
+        return self._remove(key)
+
+    def _on_lease_expired(self, key: _NodeKey) -> None:
+        self._leases.pop(key, None)
+        if self._remove(key):
+            log.info("lease of %s/%s expired (memory)", *key)
+
+    def _cancel_lease(self, key: _NodeKey) -> None:
+        lease = self._leases.pop(key, None)
+        if lease is not None and lease.timer is not None:
+            lease.timer.cancel()
+
+    def _remove(self, key: _NodeKey) -> bool:
+        record = self._records.pop(key, None)
+        if record is None:
+            return False
+        self._publish(NodeEvent(LEAVE, record))
+        return True
+
+    def _publish(self, event: NodeEvent) -> None:
+        for queue, kind in self._watchers.items():
+            if kind is None or kind == event.record.kind:
+                queue.put_nowait(event)
+
+    async def list(self, kind: str | None = None) -> list[NodeRecord]:
+        if kind is not None:
+            _check_part("kind", kind)
+        return [rec for key, rec in sorted(self._records.items()) if kind in (None, key[0])]
+
+    async def get(self, kind: str, id: str) -> NodeRecord | None:
+        return self._records.get((_check_part("kind", kind), _check_part("id", id)))
+
+    def watch(self, kind: str | None = None) -> AsyncIterator[NodeEvent]:
+        if kind is not None:
+            _check_part("kind", kind)
+        return self._watch(kind)
+
+    async def _watch(self, kind: str | None) -> AsyncIterator[NodeEvent]:
+        if self._closed:
+            return
+        # Snapshot and subscription happen with no await in between: nothing is lost.
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        snapshot = [rec for key, rec in sorted(self._records.items()) if kind in (None, key[0])]
+        self._watchers[queue] = kind
+        try:
+            for rec in snapshot:
+                yield NodeEvent(JOIN, rec)
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                assert isinstance(item, NodeEvent)
+                yield item
+        finally:
+            self._watchers.pop(queue, None)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for key in list(self._leases):
+            self._cancel_lease(key)
+        self._records.clear()
+        for queue in self._watchers:
+            queue.put_nowait(_END)
+        log.info("memory registry closed")
+
+
+# --------------------------------------------------------------------------- etcd
+
+# mvccpb.Event.EventType
+_EV_PUT = 0
+_EV_DELETE = 1
+
+# Everything an etcd call can fail with when etcd is down, slow or restarting.
+_ETCD_ERRORS: tuple[type[BaseException], ...] = (
+    EtcdError,
+    grpc.aio.AioRpcError,
+    TimeoutError,
+    NodeUnavailable,
+)
+
+
+def _normalize_endpoint(item: str) -> str:
+    ep = item.strip()
+    for scheme in ("etcd://", "http://"):
+        if ep.startswith(scheme):
+            ep = ep[len(scheme) :]
+            break
+    ep = ep.rstrip("/")
+    host, sep, port = ep.rpartition(":")
+    if not sep or not host or "/" in ep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"etcd endpoint must be host:port, got {item!r}")
+    return ep
+
+
+@dataclass
+class _Registration:
+    record: NodeRecord
+    ttl: int  # requested TTL (whole seconds)
+    lease_id: int
+    granted_ttl: int  # what etcd granted (it may raise a TTL to its minimum)
+    pending_lease_id: int | None = None  # granted during a re-register, not yet adopted
+    task: asyncio.Task[None] | None = None
+
+
+class EtcdRegistry(NodeRegistry):
+    """Registry on etcd v3.
+
+    Connects lazily. Every unary call has a deadline of `timeout_s` and fails with
+    NodeUnavailable when etcd cannot be reached. Leases are whole seconds:
+    ``max(1, ceil(ttl_s))`` (etcd may raise it further to its minimum TTL).
+
+    Each registration has its own keepalive task (one LeaseKeepAlive round trip every
+    granted_ttl/3 s). If etcd reports the lease gone (TTL <= 0) or etcd has been
+    unreachable for longer than the TTL, the task grants a new lease and puts the
+    record again, until it succeeds.
+
+    `watch()` lists the prefix (one linearizable read at revision R), emits the
+    differences from what the consumer was told (on the first pass: a join per node),
+    then streams events from R+1 on its own Watch stream. When the stream fails, ends,
+    or is cancelled/compacted, it backs off, lists again and emits the differences:
+    leaves for nodes that vanished meanwhile, joins for new ones, updates for changed
+    ones. That also covers an etcd that came back without its data (revisions restart).
+
+    Two etcd3aio internals are used (no public API exists): the client's channel, for
+    the watch stream, and its channel options, to shorten gRPC's reconnect backoff.
+    The stream is a raw write/read bidi call rather than etcd3aio's
+    `WatchService.watch`, which reconnects silently (hiding gaps) and leaks a pending
+    request-iterator task per failed stream.
+    """
+
+    def __init__(
+        self,
+        endpoints: Iterable[str],
+        *,
+        timeout_s: float = 5.0,
+        reconnect_backoff_s: float = 0.1,
+        max_reconnect_backoff_s: float = 2.0,
+    ) -> None:
+        if isinstance(endpoints, str):
+            endpoints = endpoints.split(",")
+        self._endpoints = [_normalize_endpoint(ep) for ep in endpoints]
+        if not self._endpoints:
+            raise InvalidArgument("EtcdRegistry needs at least one endpoint")
+        if not timeout_s > 0:
+            raise InvalidArgument("timeout_s must be > 0")
+        self._timeout_s = float(timeout_s)
+        self._backoff_s = reconnect_backoff_s
+        self._max_backoff_s = max_reconnect_backoff_s
+        self._client: Etcd3Client | None = None
+        self._regs: dict[_NodeKey, _Registration] = {}
+        self._key_locks: dict[_NodeKey, asyncio.Lock] = {}  # serialize (de)register per node
+        self._watch_tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    @property
+    def endpoints(self) -> list[str]:
+        return list(self._endpoints)
+
+    # -- connection -----------------------------------------------------------------
+
+    async def _conn(self) -> Etcd3Client:
+        if self._closed:
+            raise NodeUnavailable("registry is closed")
+        if self._client is None:
+            client = Etcd3Client(self._endpoints)
+            _tune_reconnect(client)
+            # connect() only builds the channel (no await inside), so no lock is needed.
+            await client.connect()
+            self._client = client
+            log.info("etcd registry using %s", ",".join(self._endpoints))
+        return self._client
+
+    def _unavailable(self, what: str, exc: BaseException) -> NodeUnavailable:
+        return NodeUnavailable(f"etcd {what} failed ({','.join(self._endpoints)}): {exc!r}")
+
+    # -- registration -------------------------------------------------------------
+
+    def _key_lock(self, key: _NodeKey) -> asyncio.Lock:
+        lock = self._key_locks.get(key)
+        if lock is None:
+            lock = self._key_locks[key] = asyncio.Lock()
+        return lock
+
+    async def register(self, record: NodeRecord, ttl_s: float) -> None:
+        ttl = max(1, math.ceil(_check_ttl(ttl_s)))
+        key = (record.kind, record.id)
+        async with self._key_lock(key):
+            await self._register_locked(key, record, ttl)
+
+    async def _register_locked(self, key: _NodeKey, record: NodeRecord, ttl: int) -> None:
+        old = self._regs.pop(key, None)
+        if old is not None:
+            await _cancel_task(old.task)
+        try:
+            lease_id, granted = await self._grant_and_put(record, ttl, None)
+        except BaseException:
+            if old is not None and not self._closed:  # keep the previous registration
+                self._regs[key] = old
+                self._start_keepalive(old)
+            raise
+        reg = _Registration(record, ttl, lease_id, granted)
+        self._regs[key] = reg
+        self._start_keepalive(reg)
+        log.info(
+            "registered %s/%s (lease %x, ttl %ds granted %ds)",
+            record.kind,
+            record.id,
+            lease_id,
+            ttl,
+            granted,
+        )
+        if old is not None:
+            await self._revoke_quietly(old.lease_id, old.pending_lease_id)
+
+    async def _grant_and_put(
+        self, record: NodeRecord, ttl: int, reg: _Registration | None
+    ) -> tuple[int, int]:
+        """Grant a lease and put the record on it. Returns (lease id, granted TTL)."""
+        try:
+            client = await self._conn()
+            lease = await client.lease.grant(ttl, timeout=self._timeout_s)
+        except _ETCD_ERRORS as exc:
+            raise self._unavailable("lease grant", exc) from exc
+        if reg is not None:
+            reg.pending_lease_id = lease.ID
+        try:
+            await client.kv.put(
+                record.key, record.to_json(), lease=lease.ID, timeout=self._timeout_s
+            )
+        except BaseException as exc:
+            if reg is not None:
+                reg.pending_lease_id = None
+            await self._revoke_quietly(lease.ID)
+            if isinstance(exc, _ETCD_ERRORS):
+                raise self._unavailable("put", exc) from exc
+            raise
+        return lease.ID, int(lease.TTL) or ttl
+
+    def _start_keepalive(self, reg: _Registration) -> None:
+        reg.task = asyncio.create_task(
+            self._keepalive_loop(reg), name=f"registry-keepalive-{reg.record.kind}/{reg.record.id}"
+        )
+
+    async def _keepalive_once(self, lease_id: int, timeout_s: float) -> int:
+        """One LeaseKeepAlive round trip; returns the TTL etcd reports (<= 0: gone)."""
+        call = None
+        try:
+            client = await self._conn()
+            call = client.lease.keep_alive(lease_id)
+            async with asyncio.timeout(timeout_s):
+                async for resp in call:
+                    return int(resp.TTL)
+            raise NodeUnavailable("keepalive stream closed without an answer")
+        except _ETCD_ERRORS as exc:
+            raise self._unavailable("lease keepalive", exc) from exc
+        finally:
+            if call is not None:
+                call.cancel()
+
+    async def _keepalive_loop(self, reg: _Registration) -> None:
+        kind, node_id = reg.record.kind, reg.record.id
+        last_ok = time.monotonic()
+        lost = False
+        while True:
+            interval = max(0.1, reg.granted_ttl / 3.0)
+            await asyncio.sleep(min(interval, 0.5) if lost else interval)
+            if not lost:
+                try:
+                    ttl = await self._keepalive_once(
+                        reg.lease_id, min(self._timeout_s, max(0.5, reg.granted_ttl / 2.0))
+                    )
+                except NodeUnavailable as exc:
+                    down_s = time.monotonic() - last_ok
+                    if down_s > reg.granted_ttl:
+                        log.warning(
+                            "lease %x of %s/%s: etcd unreachable for %.1fs (> ttl %ds); "
+                            "re-registering when it is back",
+                            reg.lease_id,
+                            kind,
+                            node_id,
+                            down_s,
+                            reg.granted_ttl,
+                        )
+                        lost = True
+                    else:
+                        log.debug("keepalive of %s/%s failed: %s", kind, node_id, exc)
+                    continue
+                if ttl > 0:
+                    last_ok = time.monotonic()
+                    continue
+                log.warning(
+                    "lease %x of %s/%s expired; re-registering", reg.lease_id, kind, node_id
+                )
+                lost = True
+            try:
+                lease_id, granted = await self._grant_and_put(reg.record, reg.ttl, reg)
+            except NodeUnavailable as exc:
+                log.debug("re-register of %s/%s failed: %s", kind, node_id, exc)
+                continue
+            old_lease, reg.lease_id, reg.granted_ttl = reg.lease_id, lease_id, granted
+            reg.pending_lease_id = None
+            lost = False
+            last_ok = time.monotonic()
+            log.info("re-registered %s/%s with lease %x", kind, node_id, lease_id)
+            await self._revoke_quietly(old_lease)
+
+    async def _revoke_quietly(self, *lease_ids: int | None) -> None:
+        """Best-effort revoke (a lease that is gone or unreachable will expire anyway)."""
+        for lease_id in lease_ids:
+            if not lease_id or self._client is None:
+                continue
+            try:
+                await self._client.lease.revoke(lease_id, timeout=min(self._timeout_s, 2.0))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    log.warning("could not revoke lease %x: %s", lease_id, exc.code().name)
+            except _ETCD_ERRORS as exc:
+                log.warning("could not revoke lease %x: %r", lease_id, exc)
+
+    async def deregister(self, kind: str, id: str) -> None:
+        key = (_check_part("kind", kind), _check_part("id", id))
+        async with self._key_lock(key):
+            reg = self._regs.pop(key, None)
+            if reg is None:
+                log.debug("deregister %s/%s: not registered here", kind, id)
+                return
+            await _cancel_task(reg.task)
+            await self._revoke_quietly(reg.lease_id, reg.pending_lease_id)
+        log.info("deregistered %s/%s (lease %x revoked)", kind, id, reg.lease_id)
+
+    async def stop_keepalive(self, kind: str, id: str) -> None:
+        key = (_check_part("kind", kind), _check_part("id", id))
+        async with self._key_lock(key):
+            reg = self._regs.pop(key, None)
+            if reg is not None:
+                await _cancel_task(reg.task)
+        if reg is not None:
+            log.info("keepalive of %s/%s stopped; lease %x will expire", kind, id, reg.lease_id)
+
+    # -- reads ----------------------------------------------------------------------
+
+    def _decode(self, kv: Any) -> NodeRecord | None:
+        key = parse_node_key(kv.key)
+        if key is None:
+            log.debug("ignoring non-node key %r", kv.key)
+            return None
+        try:
+            return NodeRecord.from_json(key[0], key[1], kv.value)
+        except InvalidArgument as exc:
+            log.warning("ignoring invalid node record at %r: %s", kv.key, exc)
+            return None
+
+    async def _range(self, prefix: str) -> Any:
+        try:
+            client = await self._conn()
+            return await client.kv.get(
+                prefix, range_end=prefix_range_end(prefix), timeout=self._timeout_s
+            )
+        except _ETCD_ERRORS as exc:
+            raise self._unavailable("list", exc) from exc
+
+    async def list(self, kind: str | None = None) -> list[NodeRecord]:
+        resp = await self._range(kind_prefix(kind))
+        records = [rec for rec in map(self._decode, resp.kvs) if rec is not None]
+        return sorted(records, key=lambda rec: (rec.kind, rec.id))
+
+    async def get(self, kind: str, id: str) -> NodeRecord | None:
+        """The record, or None. Raises InvalidArgument if the stored value is unreadable."""
+        key = node_key(kind, id)
+        try:
+            client = await self._conn()
+            resp = await client.kv.get(key, timeout=self._timeout_s)
+        except _ETCD_ERRORS as exc:
+            raise self._unavailable("get", exc) from exc
+        if not resp.kvs:
+            return None
+        return NodeRecord.from_json(kind, id, resp.kvs[0].value)
+
+    # -- watch ----------------------------------------------------------------------
+
+    def watch(self, kind: str | None = None) -> AsyncIterator[NodeEvent]:
+        return self._watch(kind_prefix(kind))
+
+    async def _watch(self, prefix: str) -> AsyncIterator[NodeEvent]:
+        if self._closed:
+            return
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        task = asyncio.create_task(
+            self._watch_producer(prefix, queue), name=f"registry-watch {prefix}"
+        )
+        self._watch_tasks.add(task)
+
+        def _done(t: asyncio.Task[None]) -> None:
+            self._watch_tasks.discard(t)
+            if t.cancelled() or t.exception() is None:
+                queue.put_nowait(_END)
+            else:
+                queue.put_nowait(_Failure(t.exception()))  # type: ignore[arg-type]
+
+        task.add_done_callback(_done)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.exc
+                assert isinstance(item, NodeEvent)
+                yield item
+        finally:
+            task.cancel()
+
+    async def _watch_producer(self, prefix: str, out: asyncio.Queue[object]) -> None:
+        told: dict[_NodeKey, NodeRecord] = {}
+        backoff = self._backoff_s
+        synced = False
+        while not self._closed:
+            try:
+                snap = await self._range(prefix)
+            except NodeUnavailable as exc:
+                log.debug("watch %s: list failed: %s", prefix, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+                continue
+            current: dict[_NodeKey, NodeRecord] = {}
+            for rec in map(self._decode, snap.kvs):
+                if rec is not None:
+                    current[(rec.kind, rec.id)] = rec
+            events = _diff(told, current)
+            for event in events:
+                out.put_nowait(event)
+            told = current
+            revision = snap.header.revision
+            if synced:
+                log.info(
+                    "watch %s: re-listed at revision %d (%d changes)", prefix, revision, len(events)
+                )
+            synced = True
+            reason, healthy = await self._follow(prefix, revision, told, out)
+            if healthy:
+                backoff = self._backoff_s
+            log.warning("watch %s: %s; re-listing in %.2fs", prefix, reason, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._max_backoff_s)
+
+    async def _follow(
+        self,
+        prefix: str,
+        revision: int,
+        told: dict[_NodeKey, NodeRecord],
+        out: asyncio.Queue[object],
+    ) -> tuple[str, bool]:
+        """Apply live events after `revision` to `told`, emitting them, until the stream
+        needs a re-list. Returns (why, whether the stream had been created)."""
+        created = False
+        call = None
+        try:
+            client = await self._conn()
+            # Write/read style (no request iterator): nothing is left behind when the
+            # stream dies, and no silent reconnect hides a gap from us.
+            call = WatchStub(_channel_of(client)).Watch()
+            create = WatchCreateRequest(
+                key=prefix.encode(),
+                range_end=prefix_range_end(prefix),
+                start_revision=revision + 1,
+                prev_kv=True,
+            )
+            await call.write(WatchRequest(create_request=create))
+            while True:
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    return "watch stream ended", created
+                if resp.created:
+                    created = True
+                    log.debug("watch %s: live from revision %d", prefix, revision + 1)
+                if resp.canceled or resp.compact_revision:
+                    return (
+                        f"watch cancelled (compact_revision={resp.compact_revision} "
+                        f"reason={resp.cancel_reason!r})",
+                        created,
+                    )
+                for ev in resp.events:
+                    event = self._apply(ev, told)
+                    if event is not None:
+                        out.put_nowait(event)
+        except _ETCD_ERRORS as exc:
+            detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+            return f"watch stream failed ({detail})", created
+        finally:
+            if call is not None:
+                call.cancel()
+
+    def _apply(self, ev: Any, told: dict[_NodeKey, NodeRecord]) -> NodeEvent | None:
+        key = parse_node_key(ev.kv.key)
+        if key is None:
+            return None
+        if ev.type == _EV_DELETE:
+            last = told.pop(key, None)
+            if last is None:
+                return None  # never reported, so nothing to take back
+            if ev.HasField("prev_kv") and ev.prev_kv.value:
+                last = self._decode(ev.prev_kv) or last
+            return NodeEvent(LEAVE, last)
+        if ev.type != _EV_PUT:
+            return None
+        record = self._decode(ev.kv)
+        if record is None:  # now unreadable: treat it as gone
+            last = told.pop(key, None)
+            return NodeEvent(LEAVE, last) if last is not None else None
+        event_type = UPDATE if key in told else JOIN
+        told[key] = record
+        return NodeEvent(event_type, record)
+
+    # -- shutdown -------------------------------------------------------------------
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        watch_tasks = list(self._watch_tasks)
+        for task in watch_tasks:
+            task.cancel()
+        regs = list(self._regs.values())
+        self._regs.clear()
+        for reg in regs:
+            await _cancel_task(reg.task)
+        if regs:
+            await asyncio.gather(
+                *(self._revoke_quietly(r.lease_id, r.pending_lease_id) for r in regs)
+            )
+        await asyncio.gather(*watch_tasks, return_exceptions=True)
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+        log.info("etcd registry closed (%d registrations removed)", len(regs))
+
+
+async def _cancel_task(task: asyncio.Task[None] | None) -> None:
+    if task is None or task.done():
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _channel_of(client: Etcd3Client) -> grpc.aio.Channel:
+    """The client's gRPC channel (etcd3aio has no public accessor for it)."""
+    channel = getattr(client, "_channel", None)
+    if channel is None:
+        raise NodeUnavailable("etcd client is not connected")
+    return channel
+
+
+def _tune_reconnect(client: Etcd3Client) -> None:
+    """Reconnect quickly after etcd restarts (gRPC's default backoff grows to 120 s).
+
+    etcd3aio keeps its channel options on a private attribute; skip if that changes."""
+    manager = getattr(client, "_manager", None)
+    options = getattr(manager, "grpc_options", None)
+    if isinstance(options, list):
+        options.extend(
+            [
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ]
+        )
+
+
+# ---------------------------------------------------------------------------- open
+
+
+def open_registry(spec: str) -> NodeRegistry:
+    """Open a registry from a spec string.
+
+    "memory" -> MemoryRegistry; "etcd://h:p[,h:p...]" or "http://h:p[,...]" ->
+    EtcdRegistry. Anything else raises InvalidArgument."""
+    text = (spec or "").strip()
+    if text in ("memory", "memory://"):
+        return MemoryRegistry()
+    for scheme in ("etcd://", "http://"):
+        if text.startswith(scheme):
+            rest = text[len(scheme) :]
+            items = [item for item in rest.split(",") if item.strip()]
+            if not items:
+                break
+            return EtcdRegistry([_normalize_endpoint(item) for item in items])
+    raise InvalidArgument(
+        f"registry spec must be 'memory', 'etcd://host:port[,host:port...]' or "
+        f"'http://host:port', got {spec!r}"
+    )

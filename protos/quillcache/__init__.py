@@ -1,0 +1,1 @@
+"""Generated protobuf packages (quillcache.v1)."""

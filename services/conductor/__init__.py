@@ -1,0 +1,1 @@
+"""QuillCache conductor service."""

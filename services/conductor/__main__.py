@@ -1,0 +1,35 @@
+"""`quillcache conductor` / `python -m quillcache_conductor`: the control plane."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from quillcache_conductor.config import ConductorConfig
+from quillcache_core.service import configure_logging, serve_until_signalled
+from quillcache_core.settings import load_settings
+
+DESCRIPTION = (
+    "QuillCache conductor: routing plans with live load, residency index, reuse guard, "
+    "KV events (gRPC and engines' ZMQ publishers), registry watch. Prints "
+    "'READY conductor grpc=HOST:PORT metrics=http://HOST:PORT' when serving."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = load_settings(
+        ConductorConfig, argv, prog="quillcache conductor", description=DESCRIPTION
+    )
+    configure_logging(config.log_level)
+    from quillcache_conductor.server import ConductorServer
+
+    return asyncio.run(_run(ConductorServer, config))
+
+
+async def _run(server_cls, config) -> int:
+    server = server_cls(config)
+    return await serve_until_signalled(server)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Conductor settings: one frozen object from CLI flags and QC_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.policies import POLICY_NAMES
+from quillcache_core.settings import opt
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    host: str = opt("127.0.0.1", "address to bind the gRPC and metrics ports on")
+    port: int = opt(0, "gRPC port (0 = a free port, printed on the READY line)")
+    metrics_port: int = opt(0, "HTTP port for /metrics and /health (0 = a free port)")
+    node_id: str = opt("conductor-0", "this conductor's id in the registry")
+    registry: str = opt(
+        "memory", "NodeRegistry: 'memory' or an etcd URL such as http://127.0.0.1:2379"
+    )
+    lease_ttl_s: float = opt(3.0, "lease TTL of this conductor's own registry record")
+    index_backend: str = opt("memory", "residency index backend", choices=("memory", "lmdb"))
+    index_path: str = opt("", "directory of the lmdb index (required with --index-backend lmdb)")
+    policy: str = opt("quillcache", "routing policy", choices=POLICY_NAMES)
+    temperature: float = opt(
+        0.0, "softmax temperature of the quillcache/dynamo policies (0 = greedy)"
+    )
+    reservation_ttl_s: float = opt(300.0, "a reservation not finished within this time is released")
+    block_bytes: int = opt(2 * 1024 * 1024, "KV bytes per block when a request or event omits it")
+    max_blocks_per_request: int = opt(16384, "Plan and Observe reject longer block lists")
+    kv_events: bool = opt(
+        True, "subscribe to engines' ZMQ KV event publishers found in the registry"
+    )
+    seed: int = opt(0, "random seed for tie-breaks (0 = from the OS)")
+    log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        if self.index_backend == "lmdb" and not self.index_path:
+            raise InvalidArgument("--index-path is required with --index-backend lmdb")
+        if self.reservation_ttl_s <= 0:
+            raise InvalidArgument("--reservation-ttl-s must be positive")
+        if self.lease_ttl_s <= 0:
+            raise InvalidArgument("--lease-ttl-s must be positive")
+        if self.temperature < 0:
+            raise InvalidArgument("--temperature must be >= 0")
+        if self.block_bytes <= 0 or self.max_blocks_per_request <= 0:
+            raise InvalidArgument("--block-bytes and --max-blocks-per-request must be positive")

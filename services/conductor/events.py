@@ -1,0 +1,298 @@
+"""KV events into the residency index, from every source, counted per engine and reason.
+
+Engines' events arrive over ZMQ (one subscriber per engine found in the registry) or
+as a gRPC KvEventBatch; both go through the engine's translator, which maps the
+engine's opaque hashes to ours. Store nodes' events carry our own hashes and keys
+and are applied directly. A bad event is counted (engine, reason) on /metrics and
+logged; the other events of its batch still apply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from quillcache.v1 import conductor_pb2
+from quillcache_conductor.kv_translate import EngineEventTranslator
+from quillcache_conductor.kv_wire import (
+    DecodedBatch,
+    EngineAllCleared,
+    EngineBlockRemoved,
+    EngineBlockStored,
+    EventError,
+)
+from quillcache_conductor.state import ConductorState
+from quillcache_conductor.zmq_sub import EngineSubscriber
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.metrics import MetricsRegistry
+from quillcache_core.model import CacheTier, IdentityScope
+from quillcache_core.registry import NodeRecord
+
+logger = logging.getLogger(__name__)
+
+MAX_BLOCK_SIZE = 4096
+
+
+class EventRouter:
+    def __init__(
+        self, state: ConductorState, metrics: MetricsRegistry, *, subscribe_zmq: bool
+    ) -> None:
+        self.state = state
+        self.subscribe_zmq = subscribe_zmq
+        self.translators: dict[str, EngineEventTranslator] = {}
+        self.subscribers: dict[str, EngineSubscriber] = {}
+        self._endpoints: dict[str, tuple[str, str | None]] = {}
+        self.applied = metrics.counter("kv_events_applied_total", "KV events applied", ["source"])
+        self.rejected = metrics.counter(
+            "kv_events_rejected_total",
+            "KV events rejected, by engine and reason",
+            ["engine", "reason"],
+        )
+        self.batches = metrics.counter(
+            "kv_event_batches_total", "KV event batches received", ["via"]
+        )
+        metrics.gauge(
+            "kv_subscribers",
+            "engines whose ZMQ KV events are subscribed",
+            read=lambda: [((), len(self.subscribers))],
+        )
+
+    # --- totals ----------------------------------------------------------------------
+
+    def applied_total(self) -> int:
+        return int(sum(v for _, v in self.applied.samples()))
+
+    def rejected_total(self) -> int:
+        return int(sum(v for _, v in self.rejected.samples()))
+
+    # --- engines -----------------------------------------------------------------------
+
+    def translator(
+        self, engine_id: str, model_id: str = "", tokenizer_id: str = ""
+    ) -> EngineEventTranslator:
+        """The engine's translator; its identity comes from its registry record."""
+        current = self.translators.get(engine_id)
+        info = self.state.engines.get(engine_id)
+        model = (info.record.model if info else None) or model_id
+        tokenizer = (info.record.tokenizer if info else None) or tokenizer_id
+        if not model or not tokenizer:
+            raise InvalidArgument(
+                f"engine {engine_id!r} has no model/tokenizer: register it with both, "
+                "or send them in the batch identity"
+            )
+        if current is not None and (current.model_id, current.tokenizer_id) == (model, tokenizer):
+            return current
+        translator = EngineEventTranslator(
+            self.state.index,
+            engine_id,
+            model,
+            tokenizer,
+            bytes_per_block=self.state.default_block_bytes,
+        )
+        self.translators[engine_id] = translator
+        return translator
+
+    def engine_joined(self, record: NodeRecord) -> None:
+        if not self.subscribe_zmq or not record.kv_events_endpoint:
+            return
+        endpoints = (record.kv_events_endpoint, record.kv_replay_endpoint or None)
+        if self._endpoints.get(record.id) == endpoints and record.id in self.subscribers:
+            return
+        old = self.subscribers.pop(record.id, None)
+        if old is not None:
+            asyncio.get_running_loop().create_task(old.stop())
+        subscriber = EngineSubscriber(
+            record.id,
+            endpoints[0],
+            endpoints[1],
+            on_batch=self._on_zmq_batch,
+            on_error=self._on_zmq_error,
+            on_reset=self._on_reset,
+        )
+        subscriber.start()
+        self.subscribers[record.id] = subscriber
+        self._endpoints[record.id] = endpoints
+        logger.info("subscribed to %s KV events at %s (replay %s)", record.id, *endpoints)
+
+    def engine_left(self, engine_id: str) -> None:
+        self.translators.pop(engine_id, None)
+        self._endpoints.pop(engine_id, None)
+        subscriber = self.subscribers.pop(engine_id, None)
+        if subscriber is not None:
+            asyncio.get_running_loop().create_task(subscriber.stop())
+
+    async def close(self) -> None:
+        for subscriber in list(self.subscribers.values()):
+            with contextlib.suppress(Exception):
+                await subscriber.stop()
+        self.subscribers.clear()
+
+    # --- ZMQ callbacks -------------------------------------------------------------------
+
+    def _on_zmq_batch(self, engine_id: str, seq: int, batch: DecodedBatch) -> None:
+        self.batches.inc(via="zmq")
+        if engine_id not in self.state.engines:
+            return  # left meanwhile
+        try:
+            translator = self.translator(engine_id)
+        except InvalidArgument as exc:
+            self._reject(
+                engine_id, EventError(-1, "no_identity", str(exc)), seq, count=len(batch.events)
+            )
+            return
+        result = translator.apply(batch)
+        self.applied.inc(result.applied, source="engine")
+        # The subscriber already reported the decoder's errors through _on_zmq_error.
+        for error in result.rejected[len(batch.errors) :]:
+            self._reject(engine_id, error, seq)
+
+    def _on_zmq_error(self, engine_id: str, seq: int | None, reason: str, detail: str) -> None:
+        self.rejected.inc(engine=engine_id, reason=reason)
+
+    def _on_reset(self, engine_id: str) -> None:
+        translator = self.translators.get(engine_id)
+        if translator is not None:
+            dropped = translator.reset()
+            logger.info("engine %s restarted its publisher; dropped %d records", engine_id, dropped)
+
+    def _reject(self, engine_id: str, error: EventError, seq: int | None, count: int = 1) -> None:
+        self.rejected.inc(count, engine=engine_id, reason=error.reason)
+        logger.warning(
+            "rejected KV event %d of batch seq=%s from %s: %s (%s)",
+            error.index,
+            seq,
+            engine_id,
+            error.reason,
+            error.detail,
+        )
+
+    # --- gRPC ingest ------------------------------------------------------------------
+
+    def ingest_proto(self, batch: conductor_pb2.KvEventBatch) -> tuple[int, list[EventError]]:
+        """Apply a gRPC KvEventBatch; returns (applied, rejected events)."""
+        self.batches.inc(via="grpc")
+        if batch.source_kind == "store":
+            applied, errors = self._store_batch(batch)
+            source = "store"
+        elif batch.source_kind in ("", "engine"):
+            applied, errors = self._engine_batch(batch)
+            source = "engine"
+        else:
+            raise InvalidArgument(
+                f"source_kind must be 'engine' or 'store', got {batch.source_kind!r}"
+            )
+        self.applied.inc(applied, source=source)
+        for error in errors:
+            self._reject(batch.engine_id, error, batch.sequence)
+        return applied, errors
+
+    def _engine_batch(self, batch) -> tuple[int, list[EventError]]:
+        identity = batch.identity
+        translator = self.translator(batch.engine_id, identity.model_id, identity.tokenizer_id)
+        decoded = DecodedBatch(ts=batch.ts_ms / 1000.0 if batch.ts_ms else None, dp_rank=None)
+        for index, event in enumerate(batch.events):
+            try:
+                decoded.events.append(_engine_event(event))
+                decoded.positions.append(index)
+            except InvalidArgument as exc:
+                decoded.errors.append(
+                    EventError(index, getattr(exc, "reason", "bad_event"), str(exc))
+                )
+        result = translator.apply(decoded)
+        return result.applied, result.rejected
+
+    def _store_batch(self, batch) -> tuple[int, list[EventError]]:
+        node = batch.engine_id
+        if node not in self.state.stores:
+            raise InvalidArgument(f"store node {node!r} is not registered")
+        applied = 0
+        errors: list[EventError] = []
+        for index, event in enumerate(batch.events):
+            try:
+                which = event.WhichOneof("event")
+                if which == "stored":
+                    stored = event.stored
+                    ident = stored.identity if stored.HasField("identity") else batch.identity
+                    scope = _scope(ident)
+                    tier = _tier(stored.medium, CacheTier.CPU_DRAM)
+                    _check_hashes(stored.block_hashes)
+                    self.state.store_blocks_stored(
+                        node,
+                        scope,
+                        list(stored.block_hashes),
+                        stored.parent_block_hash,
+                        stored.first_block_index,
+                        stored.block_size or 16,
+                        tier,
+                        stored.bytes_per_block or batch.bytes_per_block,
+                    )
+                elif which == "removed":
+                    removed = event.removed
+                    _check_hashes(removed.block_hashes)
+                    tier = _tier(removed.medium, CacheTier.CPU_DRAM)
+                    self.state.store_blocks_removed(node, list(removed.block_hashes), tier)
+                elif which == "cleared":
+                    self.state.index.clear_worker(node)
+                else:
+                    raise InvalidArgument("event has no stored/removed/cleared")
+                applied += 1
+            except InvalidArgument as exc:
+                errors.append(EventError(index, "bad_event", str(exc)))
+        return applied, errors
+
+
+def _scope(identity) -> IdentityScope:
+    if not (identity.model_id and identity.tokenizer_id and identity.tenant_id):
+        raise InvalidArgument("store event identity needs model_id, tokenizer_id and tenant_id")
+    adapter = identity.adapter_id if identity.HasField("adapter_id") else None
+    return IdentityScope(
+        identity.model_id, identity.tokenizer_id, adapter or None, identity.tenant_id
+    )
+
+
+def _tier(medium: str, default: CacheTier) -> CacheTier:
+    return CacheTier.parse(medium) if medium else default
+
+
+def _check_hashes(hashes) -> None:
+    if not hashes:
+        raise InvalidArgument("block_hashes is empty")
+    if any(not h for h in hashes):
+        raise InvalidArgument("a block hash is empty")
+
+
+def _engine_event(event):
+    """A gRPC engine event as the decoder's dataclass; hashes are opaque strings."""
+    which = event.WhichOneof("event")
+    if which == "stored":
+        stored = event.stored
+        _check_hashes(stored.block_hashes)
+        size = stored.block_size
+        if not 0 < size <= MAX_BLOCK_SIZE:
+            raise InvalidArgument(f"block_size must be in 1..{MAX_BLOCK_SIZE}, got {size}")
+        if len(stored.token_ids) != size * len(stored.block_hashes):
+            raise InvalidArgument(
+                f"{len(stored.token_ids)} token_ids for {len(stored.block_hashes)} blocks of {size}"
+            )
+        return EngineBlockStored(
+            block_hashes=tuple("s:" + h for h in stored.block_hashes),
+            parent=("s:" + stored.parent_block_hash) if stored.parent_block_hash else None,
+            token_ids=tuple(stored.token_ids),
+            block_size=size,
+            tier=_tier(stored.medium, CacheTier.HBM),
+            lora_name=stored.lora_name or None,
+            cache_salt=stored.cache_salt or None,
+            group_idx=stored.group_idx if stored.HasField("group_idx") else None,
+        )
+    if which == "removed":
+        removed = event.removed
+        _check_hashes(removed.block_hashes)
+        return EngineBlockRemoved(
+            block_hashes=tuple("s:" + h for h in removed.block_hashes),
+            tier=_tier(removed.medium, CacheTier.HBM),
+            group_idx=removed.group_idx if removed.HasField("group_idx") else None,
+        )
+    if which == "cleared":
+        return EngineAllCleared()
+    raise InvalidArgument("event has no stored/removed/cleared")

@@ -1,0 +1,190 @@
+"""Wires the conductor: gRPC servicer, health, reflection, metrics, registry watch, events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+
+import grpc
+
+from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+from quillcache_conductor.config import ConductorConfig
+from quillcache_conductor.events import EventRouter
+from quillcache_conductor.servicer import ConductorServicer
+from quillcache_conductor.state import ConductorState
+from quillcache_core.index import open_index
+from quillcache_core.metrics import MetricsRegistry
+from quillcache_core.model import CostModel
+from quillcache_core.policies import make_policy
+from quillcache_core.registry import NodeRecord, open_registry
+from quillcache_core.rpc import add_health_and_reflection, set_serving, start_metrics_app
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = conductor_pb2.DESCRIPTOR.services_by_name["Conductor"].full_name
+TICK_S = 0.05
+
+
+class ConductorServer:
+    def __init__(self, config: ConductorConfig) -> None:
+        self.config = config
+        self.index = open_index(config.index_backend, config.index_path or None)
+        policy = make_policy(config.policy, CostModel(), config.temperature)
+        self.state = ConductorState(
+            self.index,
+            policy,
+            clock=time.monotonic,
+            rng=random.Random(config.seed or None),
+            reservation_ttl_s=config.reservation_ttl_s,
+            default_block_bytes=config.block_bytes,
+            max_blocks_per_request=config.max_blocks_per_request,
+        )
+        self.metrics = MetricsRegistry()
+        self.events = EventRouter(self.state, self.metrics, subscribe_zmq=config.kv_events)
+        self._register_metrics()
+        self.registry = open_registry(config.registry)
+        self.server: grpc.aio.Server | None = None
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._runner = None
+        self._tasks: list[asyncio.Task] = []
+        self.engines_seen = asyncio.Event()
+
+    def _register_metrics(self) -> None:
+        state = self.state
+        m = self.metrics
+        m.gauge("plans_total", "routing decisions made", read=lambda: [((), state.counters.plans)])
+        m.gauge(
+            "finishes_total",
+            "reservations released by Finish, by outcome",
+            ["outcome"],
+            read=lambda: [((k,), v) for k, v in state.counters.finishes.items()],
+        )
+        m.gauge(
+            "reservations_open",
+            "reservations not yet finished",
+            read=lambda: [((), len(state.reservations))],
+        )
+        m.gauge(
+            "reservations_expired_total",
+            "reservations released by expiry (no Finish)",
+            read=lambda: [((), state.counters.reservations_expired)],
+        )
+        m.gauge(
+            "guard_refusals_total",
+            "content matches of another identity refused",
+            read=lambda: [((), state.counters.guard_refusals)],
+        )
+        m.gauge(
+            "index_resident_records",
+            "residency records in the index",
+            read=lambda: [((), len(state.index))],
+        )
+        m.gauge(
+            "engine_inflight_requests",
+            "reserved in-flight requests per engine",
+            ["engine"],
+            read=lambda: [((e,), i.state.inflight_requests) for e, i in state.engines.items()],
+        )
+        m.gauge(
+            "engine_queued_prefill_tokens",
+            "reserved prefill tokens per engine",
+            ["engine"],
+            read=lambda: [((e,), i.state.queued_prefill_tokens) for e, i in state.engines.items()],
+        )
+        m.gauge(
+            "engine_resident_blocks",
+            "residency records per engine",
+            ["engine"],
+            read=lambda: [((e,), state.index.worker_block_count(e)) for e in state.engines],
+        )
+        m.gauge("stores", "live store nodes", read=lambda: [((), len(state.stores))])
+
+    async def start(self) -> None:
+        cfg = self.config
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        conductor_pb2_grpc.add_ConductorServicer_to_server(
+            ConductorServicer(self.state, self.events, cfg.max_blocks_per_request), server
+        )
+        health = add_health_and_reflection(server, [SERVICE_NAME])
+        self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.grpc_port == 0:
+            raise RuntimeError(f"could not bind gRPC port {cfg.host}:{cfg.port}")
+        await server.start()
+        self.server = server
+        self._runner, self.metrics_port = await start_metrics_app(
+            self.metrics, cfg.host, cfg.metrics_port
+        )
+        self._tasks.append(asyncio.create_task(self._watch_registry(), name="registry-watch"))
+        self._tasks.append(asyncio.create_task(self._tick(), name="reservation-tick"))
+        await self.registry.register(
+            NodeRecord(
+                kind="conductor",
+                id=cfg.node_id,
+                address=f"{cfg.host}:{self.grpc_port}",
+                locality_domain="",
+                start_time_s=time.time(),
+            ),
+            cfg.lease_ttl_s,
+        )
+        await set_serving(health, [SERVICE_NAME])
+        logger.info("conductor %s serving on %s:%d", cfg.node_id, cfg.host, self.grpc_port)
+
+    def ready_line(self) -> str:
+        host = self.config.host
+        return f"READY conductor grpc={host}:{self.grpc_port} metrics=http://{host}:{self.metrics_port}"
+
+    async def _watch_registry(self) -> None:
+        while True:
+            try:
+                async for event in self.registry.watch():
+                    self._apply_node_event(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("registry watch failed; restarting it")
+                await asyncio.sleep(0.5)
+
+    def _apply_node_event(self, event) -> None:
+        record = event.record
+        if record.kind == "engine":
+            if event.type == "leave":
+                self.state.engine_left(record.id)
+                self.events.engine_left(record.id)
+            else:
+                self.state.engine_joined(record)
+                self.events.engine_joined(record)
+        elif record.kind == "store":
+            if event.type == "leave":
+                self.state.store_left(record.id)
+            else:
+                self.state.store_joined(record)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self.state.tick()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.events.close()
+        with contextlib.suppress(Exception):
+            await self.registry.deregister("conductor", self.config.node_id)
+        await self.registry.close()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.index.close()

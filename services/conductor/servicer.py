@@ -1,0 +1,248 @@
+"""Conductor gRPC servicer: proto <-> domain translation only."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from quillcache_conductor.events import EventRouter
+from quillcache_conductor.state import ConductorState
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.hashing import ROOT_PARENT
+from quillcache_core.model import CacheTier, IdentityScope, KvBlockKey, RequestShape, SloTarget
+from quillcache_core.planner import ActionKind
+from quillcache_core.rpc import unary_errors
+
+logger = logging.getLogger(__name__)
+
+TIER_TO_PROTO = {
+    CacheTier.HBM: common_pb2.TIER_HBM,
+    CacheTier.REMOTE_HBM: common_pb2.TIER_REMOTE_HBM,
+    CacheTier.CPU_DRAM: common_pb2.TIER_CPU_DRAM,
+    CacheTier.LOCAL_SSD: common_pb2.TIER_LOCAL_SSD,
+    CacheTier.OBJECT_STORE: common_pb2.TIER_OBJECT_STORE,
+}
+KIND_TO_PROTO = {
+    ActionKind.LOCAL_HIT: conductor_pb2.BlockAction.LOCAL_HIT,
+    ActionKind.FETCH: conductor_pb2.BlockAction.FETCH,
+    ActionKind.RECOMPUTE: conductor_pb2.BlockAction.RECOMPUTE,
+}
+OUTCOME_NAMES = {
+    conductor_pb2.FinishRequest.SUCCESS: "success",
+    conductor_pb2.FinishRequest.ERROR: "error",
+    conductor_pb2.FinishRequest.CANCELLED: "cancelled",
+}
+
+
+def scope_from_proto(identity: common_pb2.Identity) -> IdentityScope:
+    """The reuse scope of a request; the cache salt, when set, is the tenant's partition."""
+    if not identity.model_id:
+        raise InvalidArgument("identity.model_id is required")
+    if not identity.tokenizer_id:
+        raise InvalidArgument("identity.tokenizer_id is required")
+    if not identity.tenant_id:
+        raise InvalidArgument("identity.tenant_id is required")
+    adapter = identity.adapter_id if identity.HasField("adapter_id") else None
+    return IdentityScope(
+        identity.model_id, identity.tokenizer_id, adapter or None, identity.tenant_id
+    )
+
+
+def _cost_to_proto(cost) -> conductor_pb2.EngineCost:
+    return conductor_pb2.EngineCost(
+        engine_id=cost.engine_id,
+        cost_us=cost.cost_us,
+        est_ttft_us=cost.est_ttft_us,
+        queue_us=cost.queue_us,
+        fetch_us=cost.fetch_us,
+        prefill_us=cost.prefill_us,
+        decode_us=cost.decode_us,
+        prefix_blocks=cost.prefix_blocks,
+        hit_blocks=cost.hit_blocks,
+        fetch_blocks=cost.fetch_blocks,
+        score=cost.score,
+    )
+
+
+class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
+    def __init__(self, state: ConductorState, events: EventRouter, max_blocks: int) -> None:
+        self.state = state
+        self.events = events
+        self.max_blocks = max_blocks
+
+    def _keys(self, scope: IdentityScope, refs, what: str) -> list[KvBlockKey]:
+        """Keys of a request's blocks in order; each block's parent is the previous one.
+
+        A block's token_count defaults to 16 (vLLM's block size) when the caller omits it.
+        """
+        if len(refs) > self.max_blocks:
+            raise InvalidArgument(
+                f"{what}: {len(refs)} blocks exceed the limit of {self.max_blocks}"
+            )
+        keys = []
+        parent = ROOT_PARENT
+        for i, ref in enumerate(refs):
+            if not ref.block_hash:
+                raise InvalidArgument(f"{what}: blocks[{i}].block_hash is empty")
+            keys.append(
+                KvBlockKey(
+                    model_id=scope.model_id,
+                    tokenizer_id=scope.tokenizer_id,
+                    adapter_id=scope.adapter_id,
+                    tenant_id=scope.tenant_id,
+                    prefix_hash=parent,
+                    block_hash=ref.block_hash,
+                    block_index=i,
+                    token_count=ref.token_count or 16,
+                )
+            )
+            parent = ref.block_hash
+        return keys
+
+    @unary_errors
+    async def Plan(self, request, context):
+        start = time.perf_counter()
+        scope = scope_from_proto(request.identity)
+        if not request.blocks and request.prompt_tokens == 0:
+            raise InvalidArgument("blocks is empty and prompt_tokens is 0: nothing to plan")
+        keys = self._keys(scope, request.blocks, "Plan")
+        slo = SloTarget(ttft_ms=request.slo.ttft_ms or 800, tpot_ms=request.slo.tpot_ms or 80)
+        block_bytes = (
+            request.blocks[0].bytes
+            if request.blocks and request.blocks[0].bytes
+            else self.state.default_block_bytes
+        )
+        shape = RequestShape(
+            id=request.request_id or "",
+            model_id=scope.model_id,
+            tokenizer_id=scope.tokenizer_id,
+            adapter_id=scope.adapter_id,
+            tenant_id=scope.tenant_id,
+            blocks=tuple(keys),
+            estimated_decode_tokens=request.expected_decode_tokens,
+            slo=slo,
+            prompt_tokens=request.prompt_tokens,
+            block_bytes=block_bytes,
+        )
+        outcome = self.state.plan(shape, request.exclude_engines)
+        decision = outcome.decision
+        stores = self.state.stores
+        actions = []
+        for action in decision.actions:
+            proto = conductor_pb2.BlockAction(
+                kind=KIND_TO_PROTO[action.kind],
+                block_index=action.block_index,
+                block_hash=action.block_hash,
+                cost_us=int(action.cost_us),
+            )
+            if action.source_node:
+                proto.source_node = action.source_node
+                node = stores.get(action.source_node)
+                proto.source_address = node.address if node is not None else ""
+            if action.source_tier is not None:
+                proto.source_tier = TIER_TO_PROTO[action.source_tier]
+            actions.append(proto)
+        return conductor_pb2.PlanResponse(
+            reservation_id=outcome.reservation_id,
+            engine_id=decision.engine.id,
+            engine_base_url=decision.engine.base_url,
+            actions=actions,
+            est_ttft_ms=decision.chosen.est_ttft_us / 1000.0,
+            chosen=_cost_to_proto(decision.chosen),
+            others=[_cost_to_proto(c) for c in decision.others],
+            refusals=[
+                conductor_pb2.Refusal(
+                    block_index=r.block_index,
+                    block_hash=r.block_hash,
+                    worker_id=r.worker_id,
+                    reason=r.reason,
+                )
+                for r in decision.refusals
+            ],
+            policy=decision.policy,
+            hit_blocks=decision.count(ActionKind.LOCAL_HIT),
+            fetch_blocks=decision.count(ActionKind.FETCH),
+            recompute_blocks=decision.count(ActionKind.RECOMPUTE),
+            plan_us=int((time.perf_counter() - start) * 1e6),
+        )
+
+    @unary_errors
+    async def Finish(self, request, context):
+        if not request.reservation_id:
+            raise InvalidArgument("reservation_id is required")
+        outcome = OUTCOME_NAMES.get(request.outcome)
+        if outcome is None:
+            raise InvalidArgument("outcome must be SUCCESS, ERROR or CANCELLED")
+        self.state.finish(request.reservation_id, outcome)
+        return conductor_pb2.FinishResponse(released=True)
+
+    @unary_errors
+    async def Observe(self, request, context):
+        if not request.engine_id:
+            raise InvalidArgument("engine_id is required")
+        scope = scope_from_proto(request.identity)
+        keys = self._keys(scope, request.blocks, "Observe")
+        return conductor_pb2.ObserveResponse(recorded=self.state.observe(request.engine_id, keys))
+
+    @unary_errors
+    async def Locate(self, request, context):
+        scope = scope_from_proto(request.identity)
+        if len(request.block_hashes) > self.max_blocks:
+            raise InvalidArgument(
+                f"Locate: {len(request.block_hashes)} hashes exceed the limit of {self.max_blocks}"
+            )
+        found = self.state.locate(scope, list(request.block_hashes))
+        return conductor_pb2.LocateResponse(
+            blocks=[
+                conductor_pb2.BlockLocations(
+                    block_hash=h,
+                    locations=[
+                        conductor_pb2.Location(node_id=n, address=a, tier=TIER_TO_PROTO[t], kind=k)
+                        for n, a, t, k in places
+                    ],
+                )
+                for h, places in zip(request.block_hashes, found, strict=True)
+            ]
+        )
+
+    @unary_errors
+    async def IngestKvEvents(self, request, context):
+        if not request.engine_id:
+            raise InvalidArgument("engine_id is required")
+        applied, errors = self.events.ingest_proto(request)
+        return conductor_pb2.IngestResponse(
+            applied=applied,
+            rejected=len(errors),
+            errors=[f"event {e.index}: {e.reason}: {e.detail}" for e in errors][:100],
+        )
+
+    @unary_errors
+    async def Stats(self, request, context):
+        state = self.state
+        state.tick()
+        metrics = state.index.metrics()
+        return conductor_pb2.StatsResponse(
+            policy=state.policy.name,
+            index_backend=state.index.name,
+            resident_records=metrics.resident_blocks,
+            resident_bytes=metrics.resident_bytes,
+            plans=state.counters.plans,
+            events_applied=self.events.applied_total(),
+            events_rejected=self.events.rejected_total(),
+            reservations_open=len(state.reservations),
+            reservations_expired=state.counters.reservations_expired,
+            guard_refusals=state.counters.guard_refusals,
+            engines=[
+                conductor_pb2.EngineStats(
+                    engine_id=info.state.id,
+                    base_url=info.state.base_url,
+                    locality_domain=info.state.locality_domain,
+                    inflight_requests=info.state.inflight_requests,
+                    queued_prefill_tokens=info.state.queued_prefill_tokens,
+                    resident_blocks=state.index.worker_block_count(info.state.id),
+                    store_node=info.state.store_node_id or "",
+                )
+                for info in sorted(state.engines.values(), key=lambda i: i.state.id)
+            ],
+        )

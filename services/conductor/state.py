@@ -1,0 +1,330 @@
+"""The conductor's domain state: fleet, residency, reservations. No gRPC, no sockets.
+
+Single-threaded by contract: the server calls it from its event loop only. The clock
+and the random generator are injected, so tests drive time and ties.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
+from quillcache_core.hashing import keys_from_hashes
+from quillcache_core.index.base import IndexBackend
+from quillcache_core.model import (
+    MIB,
+    CacheResidency,
+    CacheTier,
+    IdentityScope,
+    RequestShape,
+    WorkerState,
+)
+from quillcache_core.planner import Fleet, PlanDecision, Policy
+from quillcache_core.registry import NodeRecord
+from quillcache_core.routing import plan_request
+
+logger = logging.getLogger(__name__)
+
+OUTCOMES = ("success", "error", "cancelled")
+
+
+@dataclass(slots=True)
+class Reservation:
+    id: str
+    engine_id: str
+    prefill_tokens: int
+    blocks: int
+    created_s: float
+    expires_s: float
+    prefill_released: bool = False
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    record: NodeRecord
+    state: WorkerState
+
+
+@dataclass(slots=True)
+class Counters:
+    plans: int = 0
+    finishes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    reservations_expired: int = 0
+    guard_refusals: int = 0
+    observed_blocks: int = 0
+    store_events: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlanOutcome:
+    reservation_id: str
+    decision: PlanDecision
+
+
+class ConductorState:
+    """Engines and store nodes (from the registry), the residency index, live load.
+
+    Load is reserved at plan time: one in-flight request and running decode, the
+    prefill tokens the plan leaves to compute, and the request's blocks. The prefill
+    tokens are released when the estimated TTFT has passed (the engine has moved on to
+    decoding), the rest at Finish or when the reservation expires.
+    """
+
+    def __init__(
+        self,
+        index: IndexBackend,
+        policy: Policy,
+        *,
+        clock: Callable[[], float],
+        rng: random.Random,
+        reservation_ttl_s: float = 300.0,
+        default_block_bytes: int = 2 * MIB,
+        max_blocks_per_request: int = 16384,
+    ) -> None:
+        if reservation_ttl_s <= 0:
+            raise InvalidArgument("reservation_ttl_s must be positive")
+        self.index = index
+        self.policy = policy
+        self.clock = clock
+        self.rng = rng
+        self.reservation_ttl_s = reservation_ttl_s
+        self.default_block_bytes = default_block_bytes
+        self.max_blocks_per_request = max_blocks_per_request
+        self.engines: dict[str, EngineInfo] = {}
+        self.stores: dict[str, NodeRecord] = {}
+        self.reservations: dict[str, Reservation] = {}
+        self._prefill_due: list[tuple[float, str]] = []
+        self._expiry: list[tuple[float, str]] = []
+        self.counters = Counters()
+
+    # --- fleet -------------------------------------------------------------------
+
+    def engine_joined(self, record: NodeRecord) -> None:
+        info = self.engines.get(record.id)
+        if info is None:
+            state = WorkerState(id=record.id, locality_domain=record.locality_domain)
+            info = self.engines[record.id] = EngineInfo(record, state)
+            state.resident_blocks = self.index.worker_block_count(record.id)
+            logger.info(
+                "engine %s joined (%s, %s)", record.id, record.base_url, record.locality_domain
+            )
+        info.record = record
+        info.state.locality_domain = record.locality_domain
+        info.state.store_node_id = record.store_node
+        info.state.base_url = record.base_url or ""
+        if record.capacity_bytes:
+            info.state.hbm_capacity_bytes = record.capacity_bytes
+
+    def engine_left(self, engine_id: str) -> int:
+        """Forget an engine: its residency is dropped and no plan names it again."""
+        self.engines.pop(engine_id, None)
+        dropped = self.index.clear_worker(engine_id)
+        for res_id in [r.id for r in self.reservations.values() if r.engine_id == engine_id]:
+            del self.reservations[res_id]
+        logger.info("engine %s left; dropped %d residency records", engine_id, dropped)
+        return dropped
+
+    def store_joined(self, record: NodeRecord) -> None:
+        if record.id not in self.stores:
+            logger.info(
+                "store %s joined (%s, %s)", record.id, record.address, record.locality_domain
+            )
+        self.stores[record.id] = record
+
+    def store_left(self, store_id: str) -> int:
+        self.stores.pop(store_id, None)
+        dropped = self.index.clear_worker(store_id)
+        logger.info("store %s left; dropped %d residency records", store_id, dropped)
+        return dropped
+
+    def forget_unregistered(self, live_ids: Iterable[str], workers: Iterable[str]) -> int:
+        """Drop residency of workers that are not live (e.g. left while we were down)."""
+        live = set(live_ids)
+        return sum(self.index.clear_worker(w) for w in workers if w not in live)
+
+    # --- plan / finish / observe ---------------------------------------------------
+
+    def plan(self, request: RequestShape, exclude: Sequence[str] = ()) -> PlanOutcome:
+        """Choose an engine, reserve load on it, and return the reservation id."""
+        self._check_request(request)
+        now = self.clock()
+        self._release_due(now)
+        excluded = set(exclude)
+        engines = [
+            info.state
+            for info in self.engines.values()
+            if info.state.id not in excluded and _serves(info.record, request.model_id)
+        ]
+        if not engines:
+            raise NodeUnavailable(
+                f"no engine available for model {request.model_id!r}"
+                + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else "")
+            )
+        store_domains = {sid: rec.locality_domain for sid, rec in self.stores.items()}
+        decision = plan_request(
+            self.index, self.policy, request, Fleet(engines, store_domains), self.rng
+        )
+        self.counters.plans += 1
+        self.counters.guard_refusals += len(decision.refusals)
+        worker = decision.engine
+        prefill_tokens = decision.recompute_tokens(request)
+        res = Reservation(
+            id=uuid.uuid4().hex,
+            engine_id=worker.id,
+            prefill_tokens=prefill_tokens,
+            blocks=len(request.blocks),
+            created_s=now,
+            expires_s=now + self.reservation_ttl_s,
+        )
+        self.reservations[res.id] = res
+        worker.inflight_requests += 1
+        worker.running_decodes += 1
+        worker.queued_prefill_tokens += prefill_tokens
+        worker.inflight_blocks += res.blocks
+        heapq.heappush(self._prefill_due, (now + decision.chosen.est_ttft_us / 1e6, res.id))
+        heapq.heappush(self._expiry, (res.expires_s, res.id))
+        return PlanOutcome(res.id, decision)
+
+    def finish(self, reservation_id: str, outcome: str) -> None:
+        """Release a reservation. NotFound if unknown (already finished or expired)."""
+        if outcome not in OUTCOMES:
+            raise InvalidArgument(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
+        res = self.reservations.pop(reservation_id, None)
+        if res is None:
+            raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
+        self._release(res)
+        self.counters.finishes[outcome] += 1
+
+    def observe(self, engine_id: str, keys: Sequence) -> int:
+        """Record a served request's prefix blocks as resident in the engine's HBM."""
+        info = self.engines.get(engine_id)
+        if info is None:
+            raise NotFound(f"unknown engine {engine_id!r}")
+        self.index.put_many(
+            CacheResidency(key, engine_id, CacheTier.HBM, self.default_block_bytes) for key in keys
+        )
+        info.state.resident_blocks = self.index.worker_block_count(engine_id)
+        self.counters.observed_blocks += len(keys)
+        return len(keys)
+
+    def locate(
+        self, scope: IdentityScope, block_hashes: Sequence[str]
+    ) -> list[list[tuple[str, str, CacheTier, str]]]:
+        """Per hash, the live nodes holding it under `scope`: (node id, address, tier, kind)."""
+        out = []
+        for found in self.index.locate_hashes(block_hashes):
+            places = []
+            for residency in found:
+                if not scope.matches(residency.key):
+                    continue
+                store = self.stores.get(residency.worker_id)
+                if store is not None:
+                    places.append((store.id, store.address, residency.tier, "store"))
+                    continue
+                engine = self.engines.get(residency.worker_id)
+                if engine is not None:
+                    places.append(
+                        (engine.record.id, engine.record.address, residency.tier, "engine")
+                    )
+            out.append(places)
+        return out
+
+    # --- store residency ------------------------------------------------------------
+
+    def store_blocks_stored(
+        self,
+        node_id: str,
+        scope: IdentityScope,
+        hashes: Sequence[str],
+        parent: str,
+        first_index: int,
+        token_count: int,
+        tier: CacheTier,
+        nbytes: int,
+    ) -> int:
+        keys = keys_from_hashes(
+            hashes,
+            token_count,
+            model_id=scope.model_id,
+            tokenizer_id=scope.tokenizer_id,
+            adapter_id=scope.adapter_id,
+            tenant_id=scope.tenant_id,
+            parent=parent or "root",
+            first_index=first_index,
+        )
+        self.index.put_many(
+            CacheResidency(k, node_id, tier, nbytes or self.default_block_bytes) for k in keys
+        )
+        self.counters.store_events += len(keys)
+        return len(keys)
+
+    def store_blocks_removed(self, node_id: str, hashes: Sequence[str], tier: CacheTier) -> int:
+        self.counters.store_events += len(hashes)
+        return sum(self.index.remove_tier(node_id, h, tier) for h in hashes)
+
+    # --- time -----------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Release prefill load that is due and expire abandoned reservations."""
+        self._release_due(self.clock())
+
+    def _release_due(self, now: float) -> None:
+        if len(self._expiry) > 2 * len(self.reservations) + 1024:
+            # Finished reservations leave stale heap entries; rebuild from the open ones.
+            open_ = self.reservations.values()
+            self._expiry = [(r.expires_s, r.id) for r in open_]
+            heapq.heapify(self._expiry)
+            self._prefill_due = [e for e in self._prefill_due if e[1] in self.reservations]
+            heapq.heapify(self._prefill_due)
+        while self._prefill_due and self._prefill_due[0][0] <= now:
+            _, res_id = heapq.heappop(self._prefill_due)
+            res = self.reservations.get(res_id)
+            if res is not None and not res.prefill_released:
+                self._release_prefill(res)
+        while self._expiry and self._expiry[0][0] <= now:
+            _, res_id = heapq.heappop(self._expiry)
+            res = self.reservations.pop(res_id, None)
+            if res is not None:
+                self._release(res)
+                self.counters.reservations_expired += 1
+                logger.info("reservation %s on %s expired without Finish", res.id, res.engine_id)
+
+    def _release_prefill(self, res: Reservation) -> None:
+        res.prefill_released = True
+        info = self.engines.get(res.engine_id)
+        if info is not None:
+            info.state.queued_prefill_tokens = max(
+                0, info.state.queued_prefill_tokens - res.prefill_tokens
+            )
+
+    def _release(self, res: Reservation) -> None:
+        if not res.prefill_released:
+            self._release_prefill(res)
+        info = self.engines.get(res.engine_id)
+        if info is None:
+            return
+        state = info.state
+        state.inflight_requests = max(0, state.inflight_requests - 1)
+        state.running_decodes = max(0, state.running_decodes - 1)
+        state.inflight_blocks = max(0, state.inflight_blocks - res.blocks)
+        state.resident_blocks = self.index.worker_block_count(res.engine_id)
+
+    def _check_request(self, request: RequestShape) -> None:
+        for name in ("model_id", "tokenizer_id", "tenant_id"):
+            if not getattr(request, name):
+                raise InvalidArgument(f"identity.{name} is required")
+        if not request.blocks and request.prompt_tokens <= 0:
+            raise InvalidArgument("a plan needs blocks or prompt_tokens > 0")
+        if len(request.blocks) > self.max_blocks_per_request:
+            raise InvalidArgument(
+                f"{len(request.blocks)} blocks exceed the limit of {self.max_blocks_per_request}"
+            )
+
+
+def _serves(record: NodeRecord, model_id: str) -> bool:
+    return not record.model or record.model == model_id

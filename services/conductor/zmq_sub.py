@@ -1,0 +1,322 @@
+"""Subscribe to one engine's KV events over ZMQ (vLLM's and SGLang's publisher).
+
+Wire (ANCHORS.md): a PUB socket sends 3 frames per batch: topic, sequence number
+(8-byte big-endian, from 0), msgpack payload. A ROUTER socket replays buffered
+batches: the client sends the start sequence (8-byte BE) and receives one
+(sequence, payload) message per buffered batch at or after it, then (-1 as signed
+8-byte BE, b"").
+
+The subscriber applies batches in sequence order exactly once:
+
+- seq == last + 1: decode and hand to `on_batch`;
+- seq <= last: already applied (typically through a replay): ignored;
+- seq > last + 1: a gap; ask the replay socket for last + 1 onwards, apply what it
+  returns in order, then carry on. What the replay cannot supply is reported as
+  "events_lost" and skipped;
+- a live sequence number at or below the previous live one means the publisher
+  restarted: `on_reset` is called (the engine's cache is gone) and counting restarts.
+
+The first batch after start (or a restart) with seq > 0 triggers a catch-up replay
+from 0 when `catch_up` is set, so a conductor started after its engines still learns
+the blocks the engine's replay buffer holds.
+
+Nothing on the wire stops the subscriber: malformed frames, undecodable payloads and
+bad events are counted, logged at WARNING with the engine id and sequence number
+(rate-limited), and passed to `on_error(engine_id, seq, reason, detail)`; `seq` is
+None when the frames carried no readable sequence number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from quillcache_conductor.kv_wire import DecodedBatch, WireError, decode_batch
+
+__all__ = ["EngineSubscriber", "SubscriberCounters"]
+
+log = logging.getLogger(__name__)
+
+END_SEQ = -1
+OnBatch = Callable[[str, int, DecodedBatch], None | Awaitable[None]]
+OnError = Callable[[str, int | None, str, str], None | Awaitable[None]]
+OnReset = Callable[[str], None | Awaitable[None]]
+
+
+@dataclass(slots=True)
+class SubscriberCounters:
+    batches: int = 0  # batches decoded and handed to on_batch (live + replayed)
+    events: int = 0  # events decoded in those batches
+    event_errors: int = 0  # events the decoder rejected
+    gaps: int = 0  # sequence gaps seen
+    replayed: int = 0  # batches applied from a replay
+    replay_failures: int = 0  # replay requests that timed out or failed
+    lost: int = 0  # sequence numbers neither received nor replayed
+    duplicates: int = 0  # batches ignored because already applied
+    wire_errors: int = 0  # malformed frames or payloads
+    callback_errors: int = 0  # exceptions raised by on_batch/on_error/on_reset
+    resets: int = 0  # publisher restarts detected
+
+
+class EngineSubscriber:
+    def __init__(
+        self,
+        engine_id: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        on_batch: OnBatch,
+        on_error: OnError | None = None,
+        on_reset: OnReset | None = None,
+        topic: bytes = b"",
+        context: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = 2.0,
+        catch_up: bool = True,
+        rcvhwm: int = 100_000,
+        max_message_bytes: int = 256 * 1024 * 1024,
+        log_burst: int = 20,
+        log_window_s: float = 10.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.on_batch = on_batch
+        self.on_error = on_error
+        self.on_reset = on_reset
+        self.topic = topic
+        self.replay_timeout_s = replay_timeout_s
+        self.catch_up = catch_up
+        self.rcvhwm = rcvhwm
+        self.max_message_bytes = max_message_bytes
+        self.counters = SubscriberCounters()
+        # Highest sequence number applied (or skipped as lost); -1 before the first.
+        self.last_seq = -1
+        # Highest sequence number seen on the live socket; None after (re)start.
+        self.live_seq: int | None = None
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._log_burst = log_burst
+        self._log_window_s = log_window_s
+        self._log_window_start = 0.0
+        self._log_count = 0
+        self._log_suppressed = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        """Connect and start receiving in a task of the running event loop."""
+        if self.running:
+            raise RuntimeError(f"subscriber for {self.engine_id} already started")
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        # A larger message makes ZMQ drop the connection (it reconnects): a gap, not OOM.
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"kv-events-{self.engine_id}"
+        )
+
+    async def stop(self) -> None:
+        """Stop receiving and close the sockets; safe to call twice."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sock in (self._sub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._sub = self._replay = None
+
+    # --- receiving ---------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        sub = self._sub
+        while True:
+            try:
+                frames = await sub.recv_multipart()
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.ETERM or sub.closed:
+                    log.info("kv events %s: socket closed, subscriber stops", self.engine_id)
+                    return
+                self.counters.wire_errors += 1
+                log.warning("kv events %s: receive failed: %s", self.engine_id, exc)
+                await asyncio.sleep(0.1)  # back off; do not spin on a persistent error
+                continue
+            try:
+                await self._on_frames(frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never die on one message
+                log.exception("kv events %s: unexpected error handling a batch", self.engine_id)
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            await self._wire_error(None, "bad_frames", f"{len(frames)} frames, expected 3")
+            return
+        _topic, seq_bytes, payload = frames
+        if len(seq_bytes) != 8:
+            await self._wire_error(
+                None, "bad_sequence", f"sequence frame is {len(seq_bytes)} bytes"
+            )
+            return
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        if seq < 0:
+            await self._wire_error(
+                seq, "bad_sequence", "negative sequence number on the live socket"
+            )
+            return
+        if self.live_seq is not None and seq <= self.live_seq:
+            await self._publisher_restarted(seq)
+        self.live_seq = seq
+        if seq <= self.last_seq:
+            self.counters.duplicates += 1
+            return
+        if seq > self.last_seq + 1 and (self.last_seq >= 0 or self.catch_up):
+            self.counters.gaps += self.last_seq >= 0
+            await self._recover(self.last_seq + 1, seq)
+            if seq <= self.last_seq:  # the replay covered it
+                self.counters.duplicates += 1
+                return
+        await self._apply(seq, payload, replayed=False)
+
+    async def _publisher_restarted(self, seq: int) -> None:
+        self.counters.resets += 1
+        self._warn(seq, "sequence_reset", f"live sequence went back from {self.live_seq} to {seq}")
+        await self._call(
+            self.on_error, self.engine_id, seq, "sequence_reset", f"from {self.live_seq}"
+        )
+        if self.on_reset is not None:
+            await self._call(self.on_reset, self.engine_id)
+        self.last_seq = -1
+
+    async def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+        if seq > self.last_seq + 1 and self.last_seq >= 0:
+            missing = seq - self.last_seq - 1
+            self.counters.lost += missing
+            detail = f"sequences {self.last_seq + 1}..{seq - 1} not recovered"
+            self._warn(seq, "events_lost", detail)
+            await self._call(self.on_error, self.engine_id, seq, "events_lost", detail)
+        self.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except WireError as exc:
+            await self._wire_error(seq, exc.reason, exc.detail)
+            return
+        self.counters.batches += 1
+        self.counters.replayed += replayed
+        self.counters.events += len(batch.events)
+        for error in batch.errors:
+            self.counters.event_errors += 1
+            detail = f"event {error.index}: {error.detail}"
+            self._warn(seq, error.reason, detail)
+            await self._call(self.on_error, self.engine_id, seq, error.reason, detail)
+        await self._call(self.on_batch, self.engine_id, seq, batch)
+
+    # --- replay ------------------------------------------------------------------------
+
+    async def _recover(self, start: int, live_seq: int) -> None:
+        """Replay from `start`; apply each new batch in order."""
+        if self.replay_endpoint is None:
+            return
+        log.info(
+            "kv events %s: gap before seq %d (last applied %d); replaying from %d",
+            self.engine_id,
+            live_seq,
+            self.last_seq,
+            start,
+        )
+        sock = self._replay_socket()
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+            while True:
+                if not await sock.poll(int(self.replay_timeout_s * 1000), zmq.POLLIN):
+                    raise TimeoutError(f"no replay answer within {self.replay_timeout_s}s")
+                frames = await sock.recv_multipart()
+                if frames and frames[0] == b"":  # DEALER: drop the envelope delimiter
+                    frames = frames[1:]
+                if len(frames) != 2 or len(frames[0]) != 8:
+                    await self._wire_error(None, "bad_replay_frames", f"{len(frames)} frames")
+                    continue
+                seq = int.from_bytes(frames[0], "big", signed=True)
+                if seq == END_SEQ:
+                    return
+                if seq <= self.last_seq:
+                    continue
+                await self._apply(seq, frames[1], replayed=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.counters.replay_failures += 1
+            self._warn(live_seq, "replay_failed", f"{type(exc).__name__}: {exc}")
+            await self._call(self.on_error, self.engine_id, live_seq, "replay_failed", str(exc))
+            # A late answer to an abandoned request must not confuse the next one.
+            sock.close(linger=0)
+            self._replay = None
+
+    def _replay_socket(self) -> zmq.asyncio.Socket:
+        if self._replay is None:
+            assert self.replay_endpoint is not None
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            sock.connect(self.replay_endpoint)
+            self._replay = sock
+        return self._replay
+
+    # --- reporting ---------------------------------------------------------------------
+
+    async def _wire_error(self, seq: int | None, reason: str, detail: str) -> None:
+        self.counters.wire_errors += 1
+        self._warn(seq, reason, detail)
+        await self._call(self.on_error, self.engine_id, seq, reason, detail)
+
+    async def _call(self, callback: Callable[..., object] | None, *args: object) -> None:
+        if callback is None:
+            return
+        try:
+            result = callback(*args)
+            if inspect.isawaitable(result):
+                await result
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.counters.callback_errors += 1
+            log.exception("kv events %s: callback %r failed", self.engine_id, callback)
+
+    def _warn(self, seq: int | None, reason: str, detail: str) -> None:
+        now = time.monotonic()
+        if now - self._log_window_start >= self._log_window_s:
+            if self._log_suppressed:
+                log.warning(
+                    "kv events %s: %d more warnings suppressed in the last %.0fs",
+                    self.engine_id,
+                    self._log_suppressed,
+                    self._log_window_s,
+                )
+            self._log_window_start = now
+            self._log_count = 0
+            self._log_suppressed = 0
+        if self._log_count >= self._log_burst:
+            self._log_suppressed += 1
+            return
+        self._log_count += 1
+        log.warning("kv events %s seq %s: %s: %s", self.engine_id, seq, reason, detail)

@@ -1,0 +1,1 @@
+"""QuillCache gateway service."""

@@ -1,0 +1,1 @@
+"""QuillCache store service."""

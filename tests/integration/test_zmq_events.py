@@ -1,0 +1,443 @@
+"""KV events over real ZMQ sockets from a vLLM-style publisher in another process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quillcache_conductor.kv_translate import ApplyResult, EngineEventTranslator
+from quillcache_conductor.kv_wire import DecodedBatch
+from quillcache_conductor.zmq_sub import EngineSubscriber
+from quillcache_core.hashing import request_blocks
+from quillcache_core.index.memory import MemoryIndex
+
+pytestmark = pytest.mark.integration
+
+PUBLISHER = Path(__file__).resolve().parents[1] / "support" / "vllm_publisher.py"
+MODEL, TOKENIZER, BS, ENGINE = "llama-3-8b", "llama-3", 16, "vllm-0"
+
+
+def run(coro: Coroutine[Any, Any, None], timeout_s: float = 60.0) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(timeout_s):
+            await coro
+
+    asyncio.run(bounded())
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def gateway_keys(tokens: list[int], tenant: str | None) -> list:
+    return request_blocks(
+        tokens,
+        BS,
+        model_id=MODEL,
+        tokenizer_id=TOKENIZER,
+        adapter_id=None,
+        tenant_id=tenant or "default",
+        cache_salt=tenant,
+    )
+
+
+class Publisher:
+    """The publisher script in a subprocess, driven by JSON lines on its stdin."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.endpoint = ""
+        self.replay_endpoint = ""
+
+    @classmethod
+    async def start(cls, *args: str) -> Publisher:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(PUBLISHER),
+            *args,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        pub = cls(proc)
+        line = await pub._line(timeout_s=20.0)
+        assert line.startswith("READY "), line
+        pub.endpoint, pub.replay_endpoint = line.split()[1:3]
+        return pub
+
+    async def _line(self, timeout_s: float = 10.0) -> str:
+        assert self.proc.stdout is not None
+        raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        if not raw:
+            raise AssertionError(f"publisher exited (code {self.proc.returncode})")
+        return raw.decode().strip()
+
+    async def send(self, **cmd: Any) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+        answer = await self._line()
+        assert answer.startswith("OK "), answer
+        return int(answer.split()[1])
+
+    async def close(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(Exception):
+                await self.send(op="quit")
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5.0)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+class Harness:
+    """Subscriber + translator + MemoryIndex, recording what the callbacks saw."""
+
+    def __init__(self, pub: Publisher) -> None:
+        self.index = MemoryIndex()
+        self.translator = EngineEventTranslator(self.index, ENGINE, MODEL, TOKENIZER)
+        self.results: list[tuple[int, ApplyResult]] = []
+        self.errors: list[tuple[str, int | None, str, str]] = []
+        self.sub = EngineSubscriber(
+            ENGINE,
+            pub.endpoint,
+            pub.replay_endpoint,
+            on_batch=self.on_batch,
+            on_error=self.on_error,
+            on_reset=lambda engine_id: self.translator.reset(),
+        )
+
+    def on_batch(self, engine_id: str, seq: int, batch: DecodedBatch) -> None:
+        assert engine_id == ENGINE
+        self.results.append((seq, self.translator.apply(batch)))
+
+    def on_error(self, engine_id: str, seq: int | None, reason: str, detail: str) -> None:
+        self.errors.append((engine_id, seq, reason, detail))
+
+    @property
+    def applied_seqs(self) -> list[int]:
+        return [seq for seq, _ in self.results]
+
+    def holds(self, tokens: list[int], tenant: str | None) -> bool:
+        keys = gateway_keys(tokens, tenant)
+        return bool(keys) and all(
+            any(r.worker_id == ENGINE for r in self.index.locate(k)) for k in keys
+        )
+
+
+def prompt(seed: int, blocks: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 32000 for i in range(blocks * BS + 5)]
+
+
+@pytest.mark.parametrize(
+    ("encoding", "hash_style"), [("array", "u64"), ("map", "i64"), ("map", "bytes32")]
+)
+def test_events_fill_the_index_and_survive_corruption_gaps_and_clears(encoding, hash_style):
+    async def scenario() -> None:
+        pub = await Publisher.start(
+            "--encoding", encoding, "--hash-style", hash_style, "--block-size", str(BS)
+        )
+        harness = Harness(pub)
+        try:
+            harness.sub.start()
+            await warm_up_and_track(pub, harness)
+
+            # Stored events fill the index under the gateway's hashes.
+            a, b = prompt(1, 4), prompt(2, 3)
+            seq = await pub.send(op="store", tokens=a, salt="acme")
+            await until(lambda: harness.sub.last_seq == seq, f"seq {seq}")
+            assert harness.holds(a, "acme")
+            assert not harness.holds(a, "globex") and not harness.holds(a, None)
+
+            # Chained extension: only the new blocks are reported, with a parent.
+            longer = a[: 4 * BS] + prompt(3, 2)
+            seq = await pub.send(op="store", tokens=longer, salt="acme")
+            await until(lambda: harness.sub.last_seq == seq, f"seq {seq}")
+            assert harness.holds(longer, "acme")
+            assert harness.results[-1][1].rejected == []
+
+            # A corrupt event is reported; the good events around it apply.
+            c = prompt(4, 2)
+            seq = await pub.send(op="corrupt", tokens=b, tokens2=c)
+            await until(lambda: harness.sub.last_seq == seq, f"seq {seq}")
+            assert harness.holds(b, None) and harness.holds(c, None)
+            result = harness.results[-1][1]
+            assert result.applied == 2
+            assert [(e.index, e.reason) for e in result.rejected] == [(1, "token_count_mismatch")]
+            assert (ENGINE, seq, "token_count_mismatch") in [e[:3] for e in harness.errors]
+            assert harness.sub.counters.event_errors == 1
+
+            # A batch never sent live is recovered through the replay socket.
+            d, e = prompt(5, 2), prompt(6, 2)
+            skipped = await pub.send(op="skip_next")
+            assert await pub.send(op="store", tokens=d, salt="acme") == skipped
+            seq = await pub.send(op="store", tokens=e, salt="acme")
+            await until(lambda: harness.sub.last_seq == seq, f"seq {seq}")
+            assert harness.sub.counters.gaps == 1
+            assert harness.sub.counters.replayed >= 1
+            assert harness.holds(d, "acme") and harness.holds(e, "acme")
+            seqs = harness.applied_seqs
+            assert seqs == sorted(seqs) and len(seqs) == len(set(seqs)), "in order, once each"
+            assert skipped in seqs and harness.sub.counters.lost == 0
+
+            # Removal of the tail blocks of `a`'s extension.
+            seq = await pub.send(op="remove", tokens=longer, salt="acme", last=2)
+            await until(lambda: harness.sub.last_seq == seq, f"seq {seq}")
+            assert harness.holds(a, "acme") and not harness.holds(longer, "acme")
+
+            # AllBlocksCleared empties the engine.
+            assert harness.index.worker_block_count(ENGINE) > 0
+            seq = await pub.send(op="clear")
+            await until(lambda: harness.sub.last_seq == seq, f"seq {seq}")
+            assert harness.index.worker_block_count(ENGINE) == 0
+            assert len(harness.translator) == 0
+            assert harness.sub.counters.wire_errors == 0
+        finally:
+            await harness.sub.stop()
+            await pub.close()
+
+    run(scenario())
+
+
+async def warm_up_and_track(pub: Publisher, harness: Harness) -> None:
+    deadline = time.monotonic() + 15.0
+    last = -1
+    while harness.sub.counters.batches == 0:
+        if time.monotonic() > deadline:
+            raise AssertionError("subscriber never received a batch")
+        last = await pub.send(op="clear")
+        with contextlib.suppress(AssertionError):
+            await until(lambda: harness.sub.counters.batches > 0, "first batch", timeout_s=0.3)
+    # Clears sent before the subscription was live come back through the catch-up replay.
+    await until(lambda: harness.sub.last_seq == last, "warm-up batches")
+    assert harness.applied_seqs == list(range(last + 1))
+
+
+def test_a_late_subscriber_catches_up_from_the_replay_buffer():
+    async def scenario() -> None:
+        pub = await Publisher.start("--block-size", str(BS))
+        harness = Harness(pub)
+        try:
+            early = prompt(7, 3)
+            await pub.send(op="store", tokens=early, salt="acme")  # seq 0: nobody listening
+            harness.sub.start()
+            deadline = time.monotonic() + 15.0
+            last = 0
+            while harness.sub.last_seq < last:
+                if time.monotonic() > deadline:
+                    raise AssertionError("no batch received")
+                last = await pub.send(op="store", tokens=prompt(100 + last, 1))
+                with contextlib.suppress(AssertionError):
+                    await until(lambda: harness.sub.last_seq >= 0, "a batch", timeout_s=0.3)
+            await until(lambda: harness.sub.last_seq == last, "catch-up")
+            assert harness.holds(early, "acme")
+            assert harness.applied_seqs == list(range(last + 1))
+            assert harness.sub.counters.gaps == 0 and harness.sub.counters.lost == 0
+        finally:
+            await harness.sub.stop()
+            await pub.close()
+
+    run(scenario())
+
+
+def test_garbage_frames_are_reported_not_fatal():
+    """Raw frames that are not vLLM batches, from a PUB socket in this process."""
+    import zmq
+    import zmq.asyncio
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind("tcp://127.0.0.1:*")
+        endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        seen: list[tuple[int, DecodedBatch]] = []
+        errors: list[tuple[int | None, str]] = []
+        sub = EngineSubscriber(
+            ENGINE,
+            endpoint,
+            None,
+            on_batch=lambda _e, seq, batch: seen.append((seq, batch)),
+            on_error=lambda _e, seq, reason, _d: errors.append((seq, reason)),
+            catch_up=False,
+        )
+        sub.start()
+        try:
+            import msgpack
+
+            good = msgpack.packb([1.0, [["AllBlocksCleared"]], 0])
+            deadline = time.monotonic() + 15.0
+            seq = 0
+            while not seen:  # until the subscription is live
+                if time.monotonic() > deadline:
+                    raise AssertionError("subscriber never received a batch")
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), good])
+                seq += 1
+                with contextlib.suppress(AssertionError):
+                    await until(lambda: bool(seen), "first batch", timeout_s=0.3)
+            base = seen[-1][0] + 1
+            await pub.send_multipart([b"", b"\x00\x01"])  # 2 frames
+            await pub.send_multipart([b"", b"\x01\x02", b"x"])  # short sequence
+            await pub.send_multipart([b"", base.to_bytes(8, "big"), b"\xc1"])  # not msgpack
+            await pub.send_multipart([b"", (base + 1).to_bytes(8, "big"), msgpack.packb(7)])
+            await pub.send_multipart([b"", (base + 2).to_bytes(8, "big"), good])
+            await until(lambda: sub.last_seq == base + 2, "the good batch after the garbage")
+            assert [r for _, r in errors] == [
+                "bad_frames",
+                "bad_sequence",
+                "not_msgpack",
+                "not_a_batch",
+            ]
+            assert [s for s, _ in errors[2:]] == [base, base + 1]
+            assert sub.counters.wire_errors == 4 and sub.running
+        finally:
+            await sub.stop()
+            pub.close(linger=0)
+            ctx.term()
+
+    run(scenario())
+
+
+def _in_process_harness(publisher) -> Harness:
+    class _Endpoints:
+        endpoint = publisher.endpoint
+        replay_endpoint = publisher.replay_endpoint
+
+    return Harness(_Endpoints())  # type: ignore[arg-type]
+
+
+async def _go_live(publisher, harness: Harness) -> int:
+    """Publish clears until one arrives live; returns the last seq published."""
+    deadline = time.monotonic() + 15.0
+    last = -1
+    while harness.sub.counters.batches == 0:
+        if time.monotonic() > deadline:
+            raise AssertionError("subscriber never received a batch")
+        last = publisher.publish([publisher.encoder.cleared_event()])
+        with contextlib.suppress(AssertionError):
+            await until(lambda: harness.sub.counters.batches > 0, "first batch", timeout_s=0.3)
+    await until(lambda: harness.sub.last_seq == last, "warm-up batches")
+    return last
+
+
+def test_what_the_replay_buffer_no_longer_holds_is_reported_lost():
+    from tests.support.vllm_publisher import VllmEventEncoder, VllmStylePublisher
+
+    async def scenario() -> None:
+        enc = VllmEventEncoder(block_size=BS)
+        with VllmStylePublisher(enc, buffer_steps=2) as publisher:
+            harness = _in_process_harness(publisher)
+            harness.sub.start()
+            try:
+                last = await _go_live(publisher, harness)
+                dropped = [prompt(20 + i, 1) for i in range(3)]
+                publisher.drop.update({last + 1, last + 2, last + 3})
+                for tokens in dropped:
+                    publisher.publish([enc.stored_event(tokens)])
+                final = publisher.publish([enc.stored_event(prompt(30, 1))])
+                await until(lambda: harness.sub.last_seq == final, "the batch after the gap")
+                # The buffer kept only the last 2 batches: the 3rd dropped one and the final.
+                assert harness.sub.counters.gaps == 1 and harness.sub.counters.lost == 2
+                assert "events_lost" in [e[2] for e in harness.errors]
+                assert not harness.holds(dropped[0], None) and harness.holds(dropped[2], None)
+                assert harness.holds(prompt(30, 1), None)
+            finally:
+                await harness.sub.stop()
+
+    run(scenario())
+
+
+def test_a_restarted_publisher_resets_the_engine():
+    from tests.support.vllm_publisher import VllmEventEncoder, VllmStylePublisher
+
+    async def scenario() -> None:
+        enc = VllmEventEncoder(block_size=BS)
+        with VllmStylePublisher(enc) as publisher:
+            harness = _in_process_harness(publisher)
+            harness.sub.start()
+            try:
+                await _go_live(publisher, harness)
+                before = prompt(40, 2)
+                seq = publisher.publish([enc.stored_event(before)])
+                await until(lambda: harness.sub.last_seq == seq, "store")
+                assert harness.holds(before, None)
+                # The engine restarts: empty cache, sequence numbers from 0 again.
+                publisher._next_seq = 0
+                enc.cached.clear()
+                after = prompt(41, 2)
+                publisher.publish([enc.stored_event(after)])
+                await until(lambda: harness.sub.counters.resets == 1, "reset detected")
+                await until(lambda: harness.holds(after, None), "store after restart")
+                assert not harness.holds(before, None)
+                assert "sequence_reset" in [e[2] for e in harness.errors]
+                assert harness.sub.last_seq == 0
+            finally:
+                await harness.sub.stop()
+
+    run(scenario())
+
+
+def test_a_silent_replay_socket_times_out_and_the_stream_goes_on():
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind("tcp://127.0.0.1:*")
+        silent = ctx.socket(zmq.ROUTER)  # accepts replay requests, never answers
+        silent.setsockopt(zmq.LINGER, 0)
+        silent.bind("tcp://127.0.0.1:*")
+        errors: list[tuple[int | None, str]] = []
+        seen: list[int] = []
+        sub = EngineSubscriber(
+            ENGINE,
+            pub.getsockopt_string(zmq.LAST_ENDPOINT),
+            silent.getsockopt_string(zmq.LAST_ENDPOINT),
+            on_batch=lambda _e, seq, _b: seen.append(seq),
+            on_error=lambda _e, seq, reason, _d: errors.append((seq, reason)),
+            catch_up=False,
+            replay_timeout_s=0.2,
+        )
+        sub.start()
+        try:
+            good = msgpack.packb([1.0, [], 0])
+            seq = 0
+            deadline = time.monotonic() + 15.0
+            while not seen:
+                if time.monotonic() > deadline:
+                    raise AssertionError("subscriber never received a batch")
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), good])
+                seq += 1
+                with contextlib.suppress(AssertionError):
+                    await until(lambda: bool(seen), "first batch", timeout_s=0.3)
+            jump = seen[-1] + 5
+            await pub.send_multipart([b"", jump.to_bytes(8, "big"), good])
+            await until(lambda: sub.last_seq == jump, "the batch after the failed replay")
+            assert [r for _, r in errors] == ["replay_failed", "events_lost"]
+            assert sub.counters.replay_failures == 1 and sub.counters.lost == 4
+            # The next gap opens a fresh replay socket and fails the same way, no crash.
+            await pub.send_multipart([b"", (jump + 2).to_bytes(8, "big"), good])
+            await until(lambda: sub.last_seq == jump + 2, "second gap")
+            assert sub.counters.replay_failures == 2 and sub.running
+        finally:
+            await sub.stop()
+            pub.close(linger=0)
+            silent.close(linger=0)
+            ctx.term()
+
+    run(scenario())

@@ -1,0 +1,107 @@
+"""Start QuillCache service processes for integration tests and talk to them."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.procs import ManagedProcess, ProcessFailed
+
+READY = re.compile(r"^READY (\S+) (.*)$", re.MULTILINE)
+
+
+class ServiceProcess:
+    """A `quillcache <service>` process; `fields` holds its READY line's key=value pairs."""
+
+    def __init__(
+        self, service: str, args: list[str], log_dir: Path, name: str | None = None
+    ) -> None:
+        self.service = service
+        self.args = args
+        self.name = name or service
+        self.log_path = Path(log_dir) / f"{self.name}.log"
+        self.proc = ManagedProcess(
+            [sys.executable, "-m", "quillcache_core.cli", service, *args],
+            log_path=self.log_path,
+            name=self.name,
+        )
+        self.fields: dict[str, str] = {}
+
+    def start(self, timeout_s: float = 15.0) -> ServiceProcess:
+        # Only READY lines written after this start count (the log is appended to).
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.proc.start()
+        self.proc.wait_ready(lambda: self._read_ready(offset), timeout_s=timeout_s)
+        self.proc.wait_ready(self._serving, timeout_s=timeout_s)
+        return self
+
+    def _read_ready(self, offset: int) -> bool:
+        text = self.log_path.read_bytes()[offset:].decode("utf-8", "replace")
+        match = READY.search(text)
+        if not match:
+            return False
+        self.fields = dict(part.split("=", 1) for part in match.group(2).split())
+        return True
+
+    @property
+    def grpc_address(self) -> str:
+        return self.fields["grpc"]
+
+    @property
+    def metrics_url(self) -> str:
+        return self.fields["metrics"]
+
+    def _serving(self) -> bool:
+        with grpc.insecure_channel(self.grpc_address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1.0
+            )
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stop(self) -> int | None:
+        return self.proc.stop()
+
+    def kill(self) -> None:
+        import signal
+
+        self.proc.signal(signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while self.proc.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    def log_tail(self, n: int = 60) -> str:
+        return self.proc.log_tail(n)
+
+    def __enter__(self) -> ServiceProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_until(
+    predicate, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"
+):
+    """Poll `predicate` until it returns a truthy value; return it or fail with `what`."""
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - "not yet" until the deadline
+            last_error = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"timed out after {timeout_s}s waiting for {what}; last error: {last_error!r}"
+            )
+        time.sleep(interval_s)
+
+
+__all__ = ["ProcessFailed", "ServiceProcess", "wait_until"]
