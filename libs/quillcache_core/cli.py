@@ -15,6 +15,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_conductor.__main__",
         "the control plane: plans, load, residency, KV events (gRPC)",
     ),
+    "gateway": (
+        "quillcache_gateway.__main__",
+        "the OpenAI-compatible proxy: hash, plan, stream with x-quillcache-* headers",
+    ),
     "demo": (
         "quillcache_core.demo",
         "start a real etcd, register a small fleet, plan requests with every policy",

@@ -250,7 +250,7 @@ def _show_guard(view: FleetView) -> None:
         acme,
         id="globex/forged",
         tenant_id="globex",
-        blocks=tuple(dataclasses.replace(k, tenant_id="globex") for k in acme.blocks),
+        blocks=tuple(k._replace(tenant_id="globex") for k in acme.blocks),
     )
     decision = plan_request(
         index, make_policy("quillcache"), forged, view.fleet(), random.Random(0)

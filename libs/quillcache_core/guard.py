@@ -34,9 +34,14 @@ def audit_reuse(scope: IdentityScope, located: Sequence[Sequence[CacheResidency]
     and tenant all equal the request's; the refusal names the first field that
     differs. Pure and O(residencies).
     """
+    # A key's first four fields are its identity: one tuple comparison per residency.
+    want = (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id)
     usable: list[list[CacheResidency]] = []
     refusals: list[Refusal] = []
     for index, found in enumerate(located):
+        if all(residency.key[:4] == want for residency in found):
+            usable.append(found if isinstance(found, list) else list(found))
+            continue
         ok: list[CacheResidency] = []
         for residency in found:
             reason = scope.mismatch(residency.key)

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from quillcache_core.errors import InvalidArgument
 
 MIB = 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class KvBlockKey:
-    """The identity of one KV block.
+class KvBlockKey(NamedTuple):
+    """The identity of one KV block (immutable, hashable).
 
     `block_hash` is the chained content hash (it already folds in the parent and the
     identity); `prefix_hash` is the parent block's hash ("root" for the first block).
-    Two keys are the same block only if every field agrees.
+    Two keys are the same block only if every field agrees. A NamedTuple rather than
+    a frozen dataclass: the index and the event path build millions of them, and a
+    tuple is built and hashed about 2.5x faster.
     """
 
     model_id: str
@@ -75,8 +77,7 @@ for _names, _tier in (
         _TIER_ALIASES[_name] = _tier
 
 
-@dataclass(frozen=True, slots=True)
-class CacheResidency:
+class CacheResidency(NamedTuple):
     """One copy of a block: which worker (engine or store node) and tier hold it."""
 
     key: KvBlockKey

@@ -27,6 +27,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,8 +51,9 @@ class ActionKind(enum.Enum):
     RECOMPUTE = "recompute"  # prefill the block's tokens
 
 
-@dataclass(frozen=True, slots=True)
-class BlockAction:
+class BlockAction(NamedTuple):
+    """What the engine does with one block (a NamedTuple: 128 are built per plan)."""
+
     kind: ActionKind
     block_index: int
     block_hash: str
@@ -185,7 +187,7 @@ def actions_for_prefix(
             worker = residency.worker_id
             tier = residency.tier
             if worker == me:
-                mb = max(1, (residency.bytes + MIB - 1) // MIB)
+                mb = (residency.bytes + MIB - 1) // MIB or 1
                 cost = hbm_hit if tier is CacheTier.HBM else float(per_mb[tier] * mb)
                 if cost < best_cost or (cost == best_cost and not best_local):
                     best_cost, best, best_local = cost, residency, True
@@ -195,7 +197,7 @@ def actions_for_prefix(
             domain = store_domains.get(worker)
             if domain is None:
                 continue
-            mb = max(1, (residency.bytes + MIB - 1) // MIB)
+            mb = (residency.bytes + MIB - 1) // MIB or 1
             cost = float(per_mb[tier] * mb)
             if worker != own and domain != my_domain:
                 cost += penalty
@@ -441,7 +443,7 @@ class CostPlanner(Policy):
             for residency in found:
                 worker = residency.worker_id
                 nbytes = residency.bytes
-                mb = max(1, (nbytes + MIB - 1) // MIB)
+                mb = (nbytes + MIB - 1) // MIB or 1
                 owner = engine_index.get(worker)
                 if owner is not None:
                     any_source = True

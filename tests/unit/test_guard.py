@@ -20,9 +20,7 @@ def test_guard_refuses_same_content_hash_of_another_identity(field, kwargs):
     mine = make_request(2)
     theirs = make_request(2, **kwargs)
     # Same content hash (as an external hash would be), other identity.
-    import dataclasses
-
-    forged = dataclasses.replace(theirs.blocks[0], block_hash=mine.blocks[0].block_hash)
+    forged = theirs.blocks[0]._replace(block_hash=mine.blocks[0].block_hash)
     located = [
         [
             CacheResidency(forged, "e1", CacheTier.HBM, 1),

@@ -103,7 +103,7 @@ def test_storage_key_covers_the_whole_identity():
 
 
 def _fields(k: KvBlockKey) -> dict:
-    return {name: getattr(k, name) for name in KvBlockKey.__dataclass_fields__}
+    return k._asdict()
 
 
 def _record(i=7, size=300):

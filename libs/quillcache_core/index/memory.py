@@ -257,6 +257,21 @@ class MemoryIndex(IndexBackend):
                 return list(records.values())
         return [residency for records in cell.values() for residency in records.values()]
 
+    def locate_hashes(self, block_hashes) -> list[list[CacheResidency]]:
+        """locate_hash for each hash, inlined for the common one-record case (planner hot path)."""
+        get = self._by_hash.get
+        out: list[list[CacheResidency]] = []
+        append = out.append
+        for block_hash in block_hashes:
+            cell = get(block_hash)
+            if cell is None:
+                append([])
+            elif type(cell) is not dict:
+                append([cell])
+            else:
+                append(self.locate_hash(block_hash))
+        return out
+
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         """Residencies in `scope` whose key's parent hash is `prefix_hash`."""
         self._prefix_scans += 1

@@ -1,0 +1,65 @@
+"""Gateway settings: one frozen object from CLI flags and QC_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.settings import opt
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = opt("127.0.0.1", "address to bind the HTTP port on")
+    port: int = opt(0, "HTTP port (0 = a free port, printed on the READY line)")
+    conductor: str = opt("", "conductor gRPC address host:port ('' = find it in the registry)")
+    registry: str = opt("memory", "NodeRegistry to find the conductor in: 'memory' or an etcd URL")
+    api_keys: str = opt(
+        "",
+        "API keys as tenant=key[,tenant=key...]; empty = no auth, every request is tenant 'default'",
+    )
+    cache_salts: str = opt(
+        "", "per-tenant cache salt as tenant=salt[,...]; a tenant not listed uses its id"
+    )
+    tokenizers: str = opt(
+        "", "per-model tokenizer.json as model=path[,...]; others use the built-in one"
+    )
+    block_size: int = opt(16, "tokens per KV block (vLLM's default is 16)")
+    block_bytes: int = opt(2 * 1024 * 1024, "KV bytes per block, sent to the conductor")
+    default_ttft_slo_ms: int = opt(
+        800, "TTFT budget when the request has no x-quillcache-ttft-slo-ms header"
+    )
+    default_max_tokens: int = opt(
+        256, "max_tokens when the request sets none (expected decode length)"
+    )
+    max_body_bytes: int = opt(4 * 1024 * 1024, "larger request bodies get 413")
+    plan_timeout_s: float = opt(2.0, "deadline of a Plan call to the conductor")
+    upstream_timeout_s: float = opt(300.0, "total deadline of one upstream engine call")
+    upstream_retries: int = opt(
+        1, "re-plans on another engine when one fails before its first byte"
+    )
+    log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        if not self.conductor and self.registry == "memory":
+            raise InvalidArgument("--conductor is required unless --registry names an etcd")
+        if self.block_size <= 0 or self.max_body_bytes <= 0:
+            raise InvalidArgument("--block-size and --max-body-bytes must be positive")
+        parse_pairs(self.api_keys, "--api-keys")
+        parse_pairs(self.cache_salts, "--cache-salts")
+
+    def tenants_by_key(self) -> dict[str, str]:
+        return {key: tenant for tenant, key in parse_pairs(self.api_keys, "--api-keys").items()}
+
+    def salt_for(self, tenant: str) -> str:
+        return parse_pairs(self.cache_salts, "--cache-salts").get(tenant, tenant)
+
+
+def parse_pairs(spec: str, flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or not name or not value:
+            raise InvalidArgument(f"{flag}: {part!r} is not name=value")
+        out[name] = value
+    return out
