@@ -112,7 +112,10 @@ class ConductorServer:
             ]
         )
         conductor_pb2_grpc.add_ConductorServicer_to_server(
-            ConductorServicer(self.state, self.events, cfg.max_blocks_per_request), server
+            ConductorServicer(
+                self.state, self.events, cfg.max_blocks_per_request, cfg.plan_alternatives
+            ),
+            server,
         )
         health = add_health_and_reflection(server, [SERVICE_NAME])
         self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")

@@ -23,10 +23,11 @@ TIER_TO_PROTO = {
     CacheTier.LOCAL_SSD: common_pb2.TIER_LOCAL_SSD,
     CacheTier.OBJECT_STORE: common_pb2.TIER_OBJECT_STORE,
 }
+# Keyed by member name: an Enum's own __hash__ is a Python-level call, slow per block.
 KIND_TO_PROTO = {
-    ActionKind.LOCAL_HIT: conductor_pb2.BlockAction.LOCAL_HIT,
-    ActionKind.FETCH: conductor_pb2.BlockAction.FETCH,
-    ActionKind.RECOMPUTE: conductor_pb2.BlockAction.RECOMPUTE,
+    ActionKind.LOCAL_HIT.name: conductor_pb2.BlockAction.LOCAL_HIT,
+    ActionKind.FETCH.name: conductor_pb2.BlockAction.FETCH,
+    ActionKind.RECOMPUTE.name: conductor_pb2.BlockAction.RECOMPUTE,
 }
 OUTCOME_NAMES = {
     conductor_pb2.FinishRequest.SUCCESS: "success",
@@ -49,6 +50,10 @@ def scope_from_proto(identity: common_pb2.Identity) -> IdentityScope:
     )
 
 
+def _cost_key(cost) -> float:
+    return cost.cost_us
+
+
 def _cost_to_proto(cost) -> conductor_pb2.EngineCost:
     return conductor_pb2.EngineCost(
         engine_id=cost.engine_id,
@@ -66,8 +71,11 @@ def _cost_to_proto(cost) -> conductor_pb2.EngineCost:
 
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
-    def __init__(self, state: ConductorState, events: EventRouter, max_blocks: int) -> None:
+    def __init__(
+        self, state: ConductorState, events: EventRouter, max_blocks: int, alternatives: int = 8
+    ) -> None:
         self.state = state
+        self.alternatives = alternatives
         self.events = events
         self.max_blocks = max_blocks
 
@@ -80,24 +88,24 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             raise InvalidArgument(
                 f"{what}: {len(refs)} blocks exceed the limit of {self.max_blocks}"
             )
-        keys = []
-        parent = ROOT_PARENT
-        for i, ref in enumerate(refs):
-            if not ref.block_hash:
-                raise InvalidArgument(f"{what}: blocks[{i}].block_hash is empty")
-            keys.append(
-                KvBlockKey(
-                    model_id=scope.model_id,
-                    tokenizer_id=scope.tokenizer_id,
-                    adapter_id=scope.adapter_id,
-                    tenant_id=scope.tenant_id,
-                    prefix_hash=parent,
-                    block_hash=ref.block_hash,
-                    block_index=i,
-                    token_count=ref.token_count or 16,
-                )
+        model, tokenizer, adapter, tenant = (
+            scope.model_id,
+            scope.tokenizer_id,
+            scope.adapter_id,
+            scope.tenant_id,
+        )
+        hashes = [ref.block_hash for ref in refs]
+        counts = [ref.token_count or 16 for ref in refs]
+        if not all(hashes):
+            raise InvalidArgument(f"{what}: blocks[{hashes.index('')}].block_hash is empty")
+        parents = [ROOT_PARENT, *hashes[:-1]]
+        # Positional construction: this runs for every block of every plan.
+        keys = [
+            KvBlockKey(model, tokenizer, adapter, tenant, parent, block_hash, i, count)
+            for i, (parent, block_hash, count) in enumerate(
+                zip(parents, hashes, counts, strict=True)
             )
-            parent = ref.block_hash
+        ]
         return keys
 
     @unary_errors
@@ -131,7 +139,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         actions = []
         for action in decision.actions:
             proto = conductor_pb2.BlockAction(
-                kind=KIND_TO_PROTO[action.kind],
+                kind=KIND_TO_PROTO[action.kind._name_],
                 block_index=action.block_index,
                 block_hash=action.block_hash,
                 cost_us=int(action.cost_us),
@@ -150,7 +158,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             actions=actions,
             est_ttft_ms=decision.chosen.est_ttft_us / 1000.0,
             chosen=_cost_to_proto(decision.chosen),
-            others=[_cost_to_proto(c) for c in decision.others],
+            others=[
+                _cost_to_proto(c)
+                for c in sorted(decision.others, key=_cost_key)[: self.alternatives]
+            ],
             refusals=[
                 conductor_pb2.Refusal(
                     block_index=r.block_index,
@@ -174,7 +185,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         outcome = OUTCOME_NAMES.get(request.outcome)
         if outcome is None:
             raise InvalidArgument("outcome must be SUCCESS, ERROR or CANCELLED")
-        self.state.finish(request.reservation_id, outcome)
+        observe = None
+        if request.observe_blocks and outcome == "success":
+            observe = self._keys(
+                scope_from_proto(request.identity), request.observe_blocks, "Finish"
+            )
+        engine_id = self.state.finish(request.reservation_id, outcome)
+        if observe and engine_id in self.state.engines:
+            self.state.observe(engine_id, observe)
         return conductor_pb2.FinishResponse(released=True)
 
     @unary_errors

@@ -190,8 +190,8 @@ class ConductorState:
         heapq.heappush(self._expiry, (res.expires_s, res.id))
         return PlanOutcome(res.id, decision)
 
-    def finish(self, reservation_id: str, outcome: str) -> None:
-        """Release a reservation. NotFound if unknown (already finished or expired)."""
+    def finish(self, reservation_id: str, outcome: str) -> str:
+        """Release a reservation; returns its engine. NotFound if unknown (finished or expired)."""
         if outcome not in OUTCOMES:
             raise InvalidArgument(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
         res = self.reservations.pop(reservation_id, None)
@@ -199,6 +199,7 @@ class ConductorState:
             raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
         self._release(res)
         self.counters.finishes[outcome] += 1
+        return res.engine_id
 
     def observe(self, engine_id: str, keys: Sequence) -> int:
         """Record a served request's prefix blocks as resident in the engine's HBM."""

@@ -33,7 +33,7 @@ class GatewayConfig:
         256, "max_tokens when the request sets none (expected decode length)"
     )
     max_body_bytes: int = opt(4 * 1024 * 1024, "larger request bodies get 413")
-    plan_timeout_s: float = opt(2.0, "deadline of a Plan call to the conductor")
+    plan_timeout_s: float = opt(5.0, "deadline of a Plan or Finish call to the conductor")
     upstream_timeout_s: float = opt(300.0, "total deadline of one upstream engine call")
     upstream_retries: int = opt(
         1, "re-plans on another engine when one fails before its first byte"

@@ -496,37 +496,23 @@ class Gateway:
         task.add_done_callback(self._background.discard)
 
     async def _finish(self, plan, outcome, ttft_s, keys, success) -> None:
-        try:
-            await self.conductor.Finish(
-                conductor_pb2.FinishRequest(
-                    reservation_id=plan.reservation_id, outcome=outcome, ttft_ms=ttft_s * 1000
-                ),
-                timeout=self.config.plan_timeout_s,
-            )
-            if success and keys:
-                first = keys[0]
-                await self.conductor.Observe(
-                    conductor_pb2.ObserveRequest(
-                        engine_id=plan.engine_id,
-                        identity=common_pb2.Identity(
-                            model_id=first.model_id,
-                            tokenizer_id=first.tokenizer_id,
-                            tenant_id=first.tenant_id,
-                        ),
-                        blocks=[
-                            common_pb2.BlockRef(block_hash=k.block_hash, token_count=k.token_count)
-                            for k in keys
-                        ],
-                    ),
-                    timeout=self.config.plan_timeout_s,
+        request = conductor_pb2.FinishRequest(
+            reservation_id=plan.reservation_id, outcome=outcome, ttft_ms=ttft_s * 1000
+        )
+        if success and keys:
+            first = keys[0]
+            request.identity.CopyFrom(
+                common_pb2.Identity(
+                    model_id=first.model_id, tokenizer_id=first.tokenizer_id, tenant_id=first.tenant_id
                 )
-        except grpc.aio.AioRpcError as exc:
-            logger.warning(
-                "finish/observe of %s failed: %s %s",
-                plan.reservation_id,
-                exc.code().name,
-                exc.details(),
             )
+            request.observe_blocks.extend(
+                common_pb2.BlockRef(block_hash=k.block_hash, token_count=k.token_count) for k in keys
+            )
+        try:
+            await self.conductor.Finish(request, timeout=self.config.plan_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("finish of %s failed: %s %s", plan.reservation_id, exc.code().name, exc.details())
 
 
 def _error_event(tail: bytes, engine_id: str) -> bytes:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from quillcache.v1 import common_pb2 as quillcache_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cquillcache/v1/transfer.proto\x12\rquillcache.v1\x1a\x1aquillcache/v1/common.proto\"\xcc\x01\n\x0fTransferRequest\x12\x13\n\x0bsource_node\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65stination_node\x18\x02 \x01(\t\x12%\n\x04keys\x18\x03 \x03(\x0b\x32\x17.quillcache.v1.BlockKey\x12-\n\x10\x64\x65stination_tier\x18\x04 \x01(\x0e\x32\x13.quillcache.v1.Tier\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\r\x12\x0f\n\x07\x64urable\x18\x07 \x01(\x08\"]\n\x0b\x42lockResult\x12$\n\x03key\x18\x01 \x01(\x0b\x32\x17.quillcache.v1.BlockKey\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"\xbc\x01\n\x10TransferProgress\x12\x13\n\x0b\x62locks_done\x18\x01 \x01(\r\x12\x14\n\x0c\x62locks_total\x18\x02 \x01(\r\x12\x12\n\nbytes_done\x18\x03 \x01(\x04\x12\x13\n\x0b\x62ytes_per_s\x18\x04 \x01(\x01\x12+\n\x07results\x18\x05 \x03(\x0b\x32\x1a.quillcache.v1.BlockResult\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rblocks_failed\x18\x07 \x01(\r2\xef\x01\n\x08Transfer\x12I\n\x04\x43opy\x12\x1e.quillcache.v1.TransferRequest\x1a\x1f.quillcache.v1.TransferProgress0\x01\x12I\n\x04Move\x12\x1e.quillcache.v1.TransferRequest\x1a\x1f.quillcache.v1.TransferProgress0\x01\x12M\n\x08Prefetch\x12\x1e.quillcache.v1.TransferRequest\x1a\x1f.quillcache.v1.TransferProgress0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cquillcache/v1/transfer.proto\x12\rquillcache.v1\x1a\x1aquillcache/v1/common.proto\"\xcc\x01\n\x0fTransferRequest\x12\x13\n\x0bsource_node\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65stination_node\x18\x02 \x01(\t\x12%\n\x04keys\x18\x03 \x03(\x0b\x32\x17.quillcache.v1.BlockKey\x12-\n\x10\x64\x65stination_tier\x18\x04 \x01(\x0e\x32\x13.quillcache.v1.Tier\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x06 \x01(\r\x12\x0f\n\x07\x64urable\x18\x07 \x01(\x08\"|\n\x0b\x42lockResult\x12$\n\x03key\x18\x01 \x01(\x0b\x32\x17.quillcache.v1.BlockKey\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x06 \x01(\t\"\xe7\x01\n\x10TransferProgress\x12\x13\n\x0b\x62locks_done\x18\x01 \x01(\r\x12\x14\n\x0c\x62locks_total\x18\x02 \x01(\r\x12\x12\n\nbytes_done\x18\x03 \x01(\x04\x12\x13\n\x0b\x62ytes_per_s\x18\x04 \x01(\x01\x12+\n\x07results\x18\x05 \x03(\x0b\x32\x1a.quillcache.v1.BlockResult\x12\x10\n\x08\x66inished\x18\x06 \x01(\x08\x12\x15\n\rblocks_failed\x18\x07 \x01(\r\x12\x16\n\x0e\x62locks_skipped\x18\x08 \x01(\r\x12\x11\n\telapsed_s\x18\t \x01(\x01\x32\xef\x01\n\x08Transfer\x12I\n\x04\x43opy\x12\x1e.quillcache.v1.TransferRequest\x1a\x1f.quillcache.v1.TransferProgress0\x01\x12I\n\x04Move\x12\x1e.quillcache.v1.TransferRequest\x1a\x1f.quillcache.v1.TransferProgress0\x01\x12M\n\x08Prefetch\x12\x1e.quillcache.v1.TransferRequest\x1a\x1f.quillcache.v1.TransferProgress0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERREQUEST']._serialized_start=76
   _globals['_TRANSFERREQUEST']._serialized_end=280
   _globals['_BLOCKRESULT']._serialized_start=282
-  _globals['_BLOCKRESULT']._serialized_end=375
-  _globals['_TRANSFERPROGRESS']._serialized_start=378
-  _globals['_TRANSFERPROGRESS']._serialized_end=566
-  _globals['_TRANSFER']._serialized_start=569
-  _globals['_TRANSFER']._serialized_end=808
+  _globals['_BLOCKRESULT']._serialized_end=406
+  _globals['_TRANSFERPROGRESS']._serialized_start=409
+  _globals['_TRANSFERPROGRESS']._serialized_end=640
+  _globals['_TRANSFER']._serialized_start=643
+  _globals['_TRANSFER']._serialized_end=882
 # @@protoc_insertion_point(module_scope)
