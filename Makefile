@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint bench-planner protos
+.PHONY: install run test lint deploy-check bench-planner protos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,10 +18,15 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/quillcache demo
 
-lint: install
+lint: install deploy-check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/gen_protos.py --check
+
+# docker-compose.yml (compose-spec schema) and k8s/ (kubectl kustomize, then
+# kubernetes-validate --strict), offline.
+deploy-check: install
+	VENV=$(VENV) bash scripts/check_deploy.sh
 
 test: lint
 	$(VENV)/bin/pytest

@@ -11,6 +11,10 @@ import sys
 
 # name -> (module with a `main(argv) -> int`, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "up": (
+        "quillcache_core.cluster",
+        "the local cluster: etcd, conductor, stores, transfer, sim engines, gateway",
+    ),
     "conductor": (
         "quillcache_conductor.__main__",
         "the control plane: plans, load, residency, KV events (gRPC)",
@@ -18,6 +22,30 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": (
         "quillcache_gateway.__main__",
         "the OpenAI-compatible proxy: hash, plan, stream with x-quillcache-* headers",
+    ),
+    "store": (
+        "quillcache_store.__main__",
+        "a store node: DRAM + SSD tiers of KV blocks, peer fetch, residency events (gRPC)",
+    ),
+    "transfer": (
+        "quillcache_transfer.__main__",
+        "copy, move and prefetch blocks between store nodes (gRPC)",
+    ),
+    "sim-engine": (
+        "quillcache_simengine.__main__",
+        "a stand-in for vLLM: OpenAI API, paged KV cache, vLLM KV events, offload/FETCH",
+    ),
+    "bench-store": (
+        "quillcache_store.bench",
+        "store and transfer throughput against raw TCP, bare gRPC and fsync'd writes",
+    ),
+    "bench-conductor": (
+        "quillcache_conductor.bench",
+        "Plan over gRPC (latency, plans/s) and KV-event ingest, in-process and over ZMQ",
+    ),
+    "bench-gateway": (
+        "quillcache_gateway.bench",
+        "latency the gateway adds over calling an engine directly (p50/p99)",
     ),
     "demo": (
         "quillcache_core.demo",

@@ -98,7 +98,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         counts = [ref.token_count or 16 for ref in refs]
         if not all(hashes):
             raise InvalidArgument(f"{what}: blocks[{hashes.index('')}].block_hash is empty")
-        parents = [ROOT_PARENT, *hashes[:-1]]
+        parents = [ROOT_PARENT, *hashes][: len(hashes)]
         # Positional construction: this runs for every block of every plan.
         keys = [
             KvBlockKey(model, tokenizer, adapter, tenant, parent, block_hash, i, count)

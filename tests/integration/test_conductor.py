@@ -356,6 +356,9 @@ def test_bad_requests_get_clear_status_codes_and_the_server_lives_on(etcd_server
         assert got_code == code, (request, details)
         assert text in details
     assert plan(client, list(range(32))).engine_id == "e1", "still serving after bad input"
+    # A prompt shorter than one block has no blocks to reuse but is still planned.
+    short = client.Plan(conductor_pb2.PlanRequest(identity=identity(), prompt_tokens=5), timeout=5)
+    assert short.engine_id == "e1" and list(short.actions) == []
 
 
 def test_unknown_policy_or_missing_lmdb_path_refuses_to_start(tmp_path):

@@ -1,0 +1,103 @@
+"""Sim engine settings: one frozen object from CLI flags and QC_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.model import CostModel
+from quillcache_core.settings import opt
+
+_COST = CostModel()
+
+
+@dataclass(frozen=True)
+class SimEngineConfig:
+    host: str = opt("127.0.0.1", "address to bind the HTTP and ZMQ sockets on")
+    port: int = opt(0, "HTTP port: OpenAI API, /health, /metrics (0 = a free port)")
+    advertise_host: str = opt(
+        "", "host other nodes use to reach this engine (default: --host, 0.0.0.0 -> 127.0.0.1)"
+    )
+    kv_events_port: int = opt(0, "ZMQ PUB port of the KV events (0 = a free port)")
+    kv_replay_port: int = opt(0, "ZMQ ROUTER port of the KV event replay (0 = a free port)")
+    event_encoding: str = opt(
+        "array", "KV event encoding, as vLLM releases differ", choices=("array", "map")
+    )
+    kv_events_buffer: int = opt(10_000, "KV event batches kept for replay")
+    node_id: str = opt("sim-engine-0", "this engine's id (registry, headers, responses)")
+    model: str = opt("sim-model", "the served model name")
+    tokenizer: str = opt("", "a Hugging Face tokenizer.json for the model ('' = built-in)")
+    tokenizer_id: str = opt(
+        "", "tokenizer id in block identities and the registry (default: the tokenizer's name)"
+    )
+    block_size: int = opt(16, "tokens per KV block")
+    hbm_blocks: int = opt(4096, "KV blocks the simulated GPU holds (LRU beyond that)")
+    time_scale: float = opt(
+        0.02, "multiplies every simulated compute time (1.0 = the cost model's real-time)"
+    )
+    prefill_us_per_token: int = opt(_COST.prefill_us_per_token, "prefill cost per token (µs)")
+    decode_us_per_token: int = opt(_COST.decode_us_per_token, "decode cost per output token (µs)")
+    default_max_tokens: int = opt(16, "output tokens when a request names no max_tokens")
+    max_model_len: int = opt(32_768, "prompt + output tokens a request may use")
+    kv_layers: int = opt(16, "layers of the simulated KV tensor of one block")
+    kv_heads: int = opt(8, "KV heads of the simulated KV tensor")
+    head_dim: int = opt(128, "head dimension of the simulated KV tensor")
+    store: str = opt("", "host:port of this engine's store node ('' = no offload, no FETCH)")
+    store_node_id: str = opt("", "the store node's id (registry record, FETCH source matching)")
+    offload_queue_blocks: int = opt(256, "evicted blocks waiting for offload; beyond: dropped")
+    offload_concurrency: int = opt(4, "concurrent offload puts")
+    store_timeout_s: float = opt(10.0, "deadline of one store call (put or get)")
+    registry: str = opt(
+        "memory", "NodeRegistry: 'memory', '' (none) or an etcd URL like http://127.0.0.1:2379"
+    )
+    locality_domain: str = opt("local", "locality domain (rack, host) of this engine")
+    lease_ttl_s: float = opt(3.0, "lease TTL of this engine's registry record")
+    seed: int = opt(0, "seed of the engine's block hashes (0 = random per start, like vLLM)")
+    max_body_bytes: int = opt(32 * 1024 * 1024, "largest request body accepted")
+    log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        positive = {
+            "--block-size": self.block_size,
+            "--hbm-blocks": self.hbm_blocks,
+            "--default-max-tokens": self.default_max_tokens,
+            "--max-model-len": self.max_model_len,
+            "--kv-layers": self.kv_layers,
+            "--kv-heads": self.kv_heads,
+            "--head-dim": self.head_dim,
+            "--offload-queue-blocks": self.offload_queue_blocks,
+            "--offload-concurrency": self.offload_concurrency,
+            "--kv-events-buffer": self.kv_events_buffer,
+            "--max-body-bytes": self.max_body_bytes,
+        }
+        for flag, value in positive.items():
+            if value <= 0:
+                raise InvalidArgument(f"{flag} must be positive, got {value}")
+        if self.time_scale < 0:
+            raise InvalidArgument("--time-scale must be >= 0")
+        if self.prefill_us_per_token < 0 or self.decode_us_per_token < 0:
+            raise InvalidArgument("--prefill-us-per-token and --decode-us-per-token must be >= 0")
+        if self.lease_ttl_s <= 0 or self.store_timeout_s <= 0:
+            raise InvalidArgument("--lease-ttl-s and --store-timeout-s must be positive")
+        if self.store and ":" not in self.store:
+            raise InvalidArgument(f"--store must be host:port, got {self.store!r}")
+        if not self.node_id or "/" in self.node_id:
+            raise InvalidArgument("--node-id must be non-empty and contain no '/'")
+        if not self.model:
+            raise InvalidArgument("--model must be non-empty")
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int, int]:
+        """[layers, 2 (K and V), block tokens, kv heads, head dim] of one block."""
+        return (self.kv_layers, 2, self.block_size, self.kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        layers, kv, tokens, heads, dim = self.kv_shape
+        return layers * kv * tokens * heads * dim * 2  # float16

@@ -1,0 +1,280 @@
+"""One simulated engine: prefix cache, FETCH, scheduling, KV events, offload.
+
+A request's life (each step on the event loop; nothing here blocks it):
+
+1. `prepare`: hash the prompt's full blocks (engine hashes for the cache, QuillCache
+   hashes for store keys), pin the longest cached prefix (local hits), then fetch the
+   blocks the plan lists right after it (a contiguous run; the first failure ends it,
+   the rest are recomputed). At least one token is always computed, as in vLLM, so at
+   most (tokens - 1) // block_size blocks can be hits or fetches.
+2. `prefill`: wait for the single prefill server, for the tokens not hit or fetched;
+   then cache the request's blocks (evicting LRU blocks, which are offloaded), and
+   publish BlockRemoved / BlockStored in one batch.
+3. The caller decodes (`scheduler.decode`) and streams the deterministic output.
+4. `release`: unpin the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from quillcache_core.engine_plan import EnginePlan, FetchAction
+from quillcache_core.hashing import request_blocks
+from quillcache_core.model import KvBlockKey
+from quillcache_simengine.events import (
+    KvEventPublisher,
+    all_cleared,
+    block_removed,
+    block_stored,
+    stored_runs,
+)
+from quillcache_simengine.kvcache import CachedBlock, PrefixCache, engine_digests, wire_hash
+from quillcache_simengine.offload import BlockMover
+from quillcache_simengine.scheduler import Scheduler
+
+__all__ = ["EngineStats", "Prepared", "SimEngine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    requests: int = 0
+    prompt_tokens: int = 0
+    computed_tokens: int = 0
+    generation_tokens: int = 0
+    hit_blocks: int = 0
+    fetched_blocks: int = 0
+    recomputed_blocks: int = 0
+    fetch_fallback_blocks: int = 0  # planned fetches recomputed instead
+    evicted_blocks: int = 0
+    event_batches: int = 0
+    resets: int = 0
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One prompt, planned: what is hit, fetched and recomputed."""
+
+    tokens: tuple[int, ...]
+    cache_salt: str | None
+    hashes: list[int]
+    keys: list[KvBlockKey]
+    hit_blocks: int
+    fetched_blocks: int
+    fetch_fallback_blocks: int
+    generation: int
+    pinned: list[int] = field(default_factory=list)
+
+    @property
+    def full_blocks(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def recomputed_blocks(self) -> int:
+        return self.full_blocks - self.hit_blocks - self.fetched_blocks
+
+    def cached_tokens(self, block_size: int) -> int:
+        return (self.hit_blocks + self.fetched_blocks) * block_size
+
+    def compute_tokens(self, block_size: int) -> int:
+        return len(self.tokens) - self.cached_tokens(block_size)
+
+
+class SimEngine:
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        model_id: str,
+        tokenizer_id: str,
+        block_size: int,
+        cache: PrefixCache,
+        scheduler: Scheduler,
+        publisher: KvEventPublisher,
+        mover: BlockMover,
+        seed: bytes | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.model_id = model_id
+        self.tokenizer_id = tokenizer_id
+        self.block_size = block_size
+        self.cache = cache
+        self.scheduler = scheduler
+        self.publisher = publisher
+        self.mover = mover
+        self.seed = seed if seed is not None else os.urandom(32)
+        self.stats = EngineStats()
+
+    # --- 1. plan ------------------------------------------------------------------------
+
+    def block_keys(
+        self, tokens: Sequence[int], cache_salt: str | None, plan: EnginePlan | None = None
+    ) -> list[KvBlockKey]:
+        """QuillCache keys of the prompt's full blocks (its store keys).
+
+        With a plan, under the plan's identity (the gateway's keys, which FETCH names);
+        without, as the conductor reads our KV events: tenant = the salt or "default"."""
+        if plan is not None:
+            return request_blocks(
+                tokens,
+                self.block_size,
+                model_id=plan.model_id,
+                tokenizer_id=plan.tokenizer_id,
+                adapter_id=plan.adapter_id,
+                tenant_id=plan.tenant_id,
+                cache_salt=plan.cache_salt,
+            )
+        return request_blocks(
+            tokens,
+            self.block_size,
+            model_id=self.model_id,
+            tokenizer_id=self.tokenizer_id,
+            adapter_id=None,
+            tenant_id=cache_salt or "default",
+            cache_salt=cache_salt,
+        )
+
+    async def prepare(
+        self, tokens: Sequence[int], cache_salt: str | None, plan: EnginePlan | None
+    ) -> Prepared:
+        bs = self.block_size
+        tokens = tuple(tokens)
+        hashes = [wire_hash(d) for d in engine_digests(self.seed, tokens, bs, cache_salt)]
+        keys = self.block_keys(tokens, cache_salt, plan)
+        usable = (len(tokens) - 1) // bs  # at least one token is always computed
+        hits = self.cache.lookup(hashes[:usable])
+        prepared = Prepared(
+            tokens=tokens,
+            cache_salt=cache_salt,
+            hashes=hashes,
+            keys=keys,
+            hit_blocks=hits,
+            fetched_blocks=0,
+            fetch_fallback_blocks=0,
+            generation=self.cache.generation,
+            pinned=self.cache.acquire(hashes[:hits]),
+        )
+        try:
+            candidates = self._fetch_candidates(plan, keys, hits, usable)
+            if candidates:
+                results = await asyncio.gather(
+                    *(
+                        self.mover.fetch(keys[i], action.source_node, action.source_address)
+                        for i, action in candidates
+                    )
+                )
+                fetched = 0
+                while fetched < len(results) and results[fetched]:
+                    fetched += 1
+                prepared.fetched_blocks = fetched
+                prepared.fetch_fallback_blocks = len(candidates) - fetched
+        except BaseException:
+            self.release(prepared)
+            raise
+        log.debug(
+            "request of %d tokens: %d blocks, %d hit, %d fetched, %d recomputed (%d fallback)",
+            len(tokens),
+            prepared.full_blocks,
+            prepared.hit_blocks,
+            prepared.fetched_blocks,
+            prepared.recomputed_blocks,
+            prepared.fetch_fallback_blocks,
+        )
+        return prepared
+
+    def _fetch_candidates(
+        self, plan: EnginePlan | None, keys: list[KvBlockKey], hits: int, usable: int
+    ) -> list[tuple[int, FetchAction]]:
+        """The plan's FETCH actions for blocks hits, hits+1, ... (contiguous, ours)."""
+        if plan is None or not plan.fetch:
+            return []
+        if plan.block_size != self.block_size:
+            log.warning(
+                "plan for block size %d ignored (engine uses %d)", plan.block_size, self.block_size
+            )
+            return []
+        actions = {action.block_index: action for action in plan.fetch}
+        out: list[tuple[int, FetchAction]] = []
+        index = hits
+        while index < usable and index in actions:
+            action = actions[index]
+            if action.block_hash != keys[index].block_hash:
+                log.warning(
+                    "plan names block %d as %s, the prompt's block is %s: not fetched",
+                    index,
+                    action.block_hash,
+                    keys[index].block_hash,
+                )
+                break
+            out.append((index, action))
+            index += 1
+        return out
+
+    # --- 2. prefill ---------------------------------------------------------------------
+
+    async def prefill(self, prepared: Prepared) -> float:
+        """Queue for and run the prefill; cache the blocks. Returns the end time."""
+        bs = self.block_size
+        compute = prepared.compute_tokens(bs)
+        end = await self.scheduler.prefill(compute)
+        self._account(prepared, compute)
+        if prepared.generation != self.cache.generation:
+            return end  # the cache was reset meanwhile: our pins are void
+        tokens, hashes, salt = prepared.tokens, prepared.hashes, prepared.cache_salt
+        blocks = [
+            CachedBlock(
+                engine_hash=hashes[i],
+                parent=hashes[i - 1] if i else None,
+                index=i,
+                token_ids=tokens[i * bs : (i + 1) * bs],
+                key=prepared.keys[i],
+                cache_salt=salt,
+            )
+            for i in range(prepared.hit_blocks, prepared.full_blocks)
+        ]
+        result = self.cache.insert(blocks)
+        prepared.pinned.extend(result.pinned)
+        events = []
+        if result.evicted:
+            self.stats.evicted_blocks += len(result.evicted)
+            events.append(
+                block_removed([b.engine_hash for b in result.evicted], self.publisher.encoding)
+            )
+            for block in result.evicted:
+                self.mover.offload(block.key)
+        for run in stored_runs(result.stored):
+            events.append(block_stored(run, bs, self.publisher.encoding))
+        if events:
+            self.publisher.publish(events)
+            self.stats.event_batches += 1
+        return end
+
+    def _account(self, prepared: Prepared, computed: int) -> None:
+        s = self.stats
+        s.requests += 1
+        s.prompt_tokens += len(prepared.tokens)
+        s.computed_tokens += computed
+        s.hit_blocks += prepared.hit_blocks
+        s.fetched_blocks += prepared.fetched_blocks
+        s.recomputed_blocks += prepared.recomputed_blocks
+        s.fetch_fallback_blocks += prepared.fetch_fallback_blocks
+
+    # --- 4. release, reset --------------------------------------------------------------
+
+    def release(self, prepared: Prepared) -> None:
+        pinned, prepared.pinned = prepared.pinned, []
+        self.cache.release(pinned, prepared.generation)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block (no offload) and publish AllBlocksCleared."""
+        count = self.cache.clear()
+        self.publisher.publish([all_cleared(self.publisher.encoding)])
+        self.stats.event_batches += 1
+        self.stats.resets += 1
+        log.info("prefix cache reset: %d blocks dropped", count)
+        return count

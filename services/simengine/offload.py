@@ -1,0 +1,233 @@
+"""Moving KV blocks between the sim engine and store nodes: offload and FETCH.
+
+Offload: an evicted block's bytes (see `kvbytes`) go to the engine's own store node
+under the block's QuillCache key. It runs in background workers from a bounded queue,
+so serving never waits for it; a full queue drops the block (counted), as an engine
+under memory pressure would.
+
+Fetch: a block the plan says to FETCH is read from a store (the engine's own node,
+which may pull it from a peer, or the plan's source address directly) and checked
+byte for byte against the deterministic content. Any failure (absent, unreachable,
+wrong bytes, timeout) is reported as False: the engine recomputes that block instead.
+
+Clients are created on first use, one per address, and live until `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from quillcache_core.errors import QuillCacheError
+from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_simengine.kvbytes import kv_payload
+
+__all__ = ["BlockMover", "MoverStats", "StoreLike"]
+
+log = logging.getLogger(__name__)
+
+MAX_CLIENTS = 64
+FETCH_CONCURRENCY = 16  # blocks of one engine being read at once
+
+
+class StoreLike(Protocol):
+    """The part of `quillcache_store.client.StoreClient` the engine uses."""
+
+    async def put(
+        self,
+        key: KvBlockKey,
+        payload: bytes | memoryview,
+        *,
+        durable: bool = False,
+        tier: CacheTier = CacheTier.CPU_DRAM,
+    ) -> CacheTier: ...
+
+    async def get(
+        self, key: KvBlockKey, *, allow_remote: bool = False
+    ) -> tuple[bytes, CacheTier]: ...
+
+    async def close(self) -> None: ...
+
+
+StoreFactory = Callable[[str, float], StoreLike]
+
+
+def default_store_factory(address: str, timeout_s: float) -> StoreLike:
+    from quillcache_store.client import StoreClient
+
+    return StoreClient(address, timeout_s=timeout_s)
+
+
+@dataclass(slots=True)
+class MoverStats:
+    offloaded: int = 0
+    offload_failures: int = 0
+    offload_dropped: int = 0
+    offloaded_bytes: int = 0
+    fetched: int = 0
+    fetch_failures: int = 0
+    fetch_mismatches: int = 0  # bytes arrived but differ from the block's content
+    fetched_bytes: int = 0
+
+
+class BlockMover:
+    def __init__(
+        self,
+        *,
+        own_address: str,
+        own_node_id: str,
+        kv_shape: tuple[int, ...],
+        timeout_s: float,
+        queue_blocks: int,
+        concurrency: int,
+        store_factory: StoreFactory = default_store_factory,
+    ) -> None:
+        self.own_address = own_address
+        self.own_node_id = own_node_id
+        self.kv_shape = tuple(kv_shape)
+        self.timeout_s = timeout_s
+        self.stats = MoverStats()
+        self._factory = store_factory
+        self._clients: dict[str, StoreLike] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._fetch_slots = asyncio.Semaphore(FETCH_CONCURRENCY)
+        self._storing = 0
+        self._queue: asyncio.Queue[KvBlockKey] = asyncio.Queue(maxsize=queue_blocks)
+        self._concurrency = concurrency
+        self._workers: list[asyncio.Task[None]] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.own_address)
+
+    @property
+    def pending(self) -> int:
+        """Evicted blocks queued or being stored right now."""
+        return self._queue.qsize() + self._storing
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        loop = asyncio.get_running_loop()
+        self._workers = [
+            loop.create_task(self._offload_worker(), name=f"offload-{i}")
+            for i in range(self._concurrency)
+        ]
+
+    def client(self, address: str) -> StoreLike:
+        """The client of a store address (created on first use; the least recently
+        used one is closed beyond MAX_CLIENTS, as plans may name any address)."""
+        client = self._clients.pop(address, None)
+        if client is None:
+            client = self._factory(address, self.timeout_s)
+            if len(self._clients) >= MAX_CLIENTS:
+                oldest = next((a for a in self._clients if a != self.own_address), None)
+                if oldest is not None:
+                    stale = self._clients.pop(oldest)
+                    task = asyncio.get_running_loop().create_task(stale.close())
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+        self._clients[address] = client  # most recently used last
+        return client
+
+    # --- offload ------------------------------------------------------------------------
+
+    def offload(self, key: KvBlockKey) -> bool:
+        """Queue an evicted block for offload; False if offload is off or the queue is full."""
+        if not self.enabled:
+            return False
+        try:
+            self._queue.put_nowait(key)
+        except asyncio.QueueFull:
+            self.stats.offload_dropped += 1
+            log.debug("offload queue full: dropped block %s", key.block_hash)
+            return False
+        return True
+
+    async def _offload_worker(self) -> None:
+        while True:
+            key = await self._queue.get()
+            self._storing += 1
+            try:
+                await self._offload_one(key)
+            finally:
+                self._storing -= 1
+                self._queue.task_done()
+
+    async def _offload_one(self, key: KvBlockKey) -> None:
+        try:
+            payload = await asyncio.to_thread(kv_payload, key.block_hash, self.kv_shape)
+            async with asyncio.timeout(self.timeout_s):
+                tier = await self.client(self.own_address).put(key, payload)
+        except asyncio.CancelledError:
+            raise
+        except (QuillCacheError, TimeoutError, OSError) as exc:
+            self.stats.offload_failures += 1
+            log.warning("offload of block %s failed: %s", key.block_hash, exc)
+            return
+        except Exception:
+            self.stats.offload_failures += 1
+            log.exception("offload of block %s failed", key.block_hash)
+            return
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += len(payload)
+        log.debug("offloaded block %s (%d bytes) to %s", key.block_hash, len(payload), tier)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued offload finished (or `timeout_s` passed)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._queue.join()
+            return True
+        except TimeoutError:
+            return False
+
+    # --- fetch --------------------------------------------------------------------------
+
+    async def fetch(self, key: KvBlockKey, source_node: str, source_address: str) -> bool:
+        """Read one block and verify its bytes; False (counted) on any failure."""
+        own = bool(self.own_address) and (not source_address or source_node == self.own_node_id)
+        address = self.own_address if own else source_address
+        if not address:
+            self.stats.fetch_failures += 1
+            return False
+        try:
+            async with self._fetch_slots:
+                async with asyncio.timeout(self.timeout_s):
+                    data, tier = await self.client(address).get(key, allow_remote=own)
+                expected = await asyncio.to_thread(kv_payload, key.block_hash, self.kv_shape)
+        except asyncio.CancelledError:
+            raise
+        except (QuillCacheError, TimeoutError, OSError) as exc:
+            self.stats.fetch_failures += 1
+            log.info("fetch of block %s from %s failed: %s", key.block_hash, address, exc)
+            return False
+        except Exception:
+            self.stats.fetch_failures += 1
+            log.exception("fetch of block %s from %s failed", key.block_hash, address)
+            return False
+        if data != expected:
+            self.stats.fetch_failures += 1
+            self.stats.fetch_mismatches += 1
+            log.warning("block %s from %s has the wrong bytes", key.block_hash, address)
+            return False
+        self.stats.fetched += 1
+        self.stats.fetched_bytes += len(data)
+        log.debug("fetched block %s from %s (%s)", key.block_hash, address, tier)
+        return True
+
+    async def close(self) -> None:
+        workers, self._workers = self._workers, []
+        for task in workers:
+            task.cancel()
+        for task in workers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            with contextlib.suppress(Exception):
+                await client.close()

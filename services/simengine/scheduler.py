@@ -1,0 +1,99 @@
+"""The sim engine's timing: one prefill at a time in arrival order, decodes in parallel.
+
+`PrefillQueue` is the pure part: a single server whose busy time is booked when a
+request arrives, so a request's prefill starts when every earlier one has finished
+(queueing is real and load matters). `Scheduler` sleeps until the booked times with an
+injected clock and sleep. Deadlines are absolute, so many tiny waits (at a small time
+scale) do not add up to drift.
+
+Decoding does not queue: each running request emits one token every
+`decode_us_per_token * time_scale`, as in a continuous batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from quillcache_core.errors import InvalidArgument
+
+__all__ = ["PrefillQueue", "Scheduler"]
+
+# Below this, waiting is a yield to the loop (a timer would overshoot by more).
+_MIN_SLEEP_S = 0.0005
+_YIELD_EVERY = 32
+
+
+@dataclass(slots=True)
+class PrefillQueue:
+    """Book prefill slots on one server. Times are seconds on the caller's clock."""
+
+    us_per_token: float
+    time_scale: float
+    free_at: float = 0.0
+
+    def duration_s(self, tokens: int) -> float:
+        if tokens < 0:
+            raise InvalidArgument(f"tokens must be >= 0, got {tokens}")
+        return tokens * self.us_per_token * self.time_scale / 1e6
+
+    def book(self, now: float, tokens: int) -> tuple[float, float]:
+        """(start, end) of a prefill of `tokens` arriving at `now`."""
+        start = max(now, self.free_at)
+        end = start + self.duration_s(tokens)
+        self.free_at = end
+        return start, end
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        prefill_us_per_token: float,
+        decode_us_per_token: float,
+        time_scale: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.queue = PrefillQueue(prefill_us_per_token, time_scale)
+        self.decode_interval_s = decode_us_per_token * time_scale / 1e6
+        self._clock = clock
+        self._sleep = sleep
+        self.waiting = 0  # requests waiting for or in prefill
+        self.queued_prefill_tokens = 0
+        self.running = 0  # requests decoding
+
+    async def _until(self, deadline: float) -> None:
+        delay = deadline - self._clock()
+        if delay > _MIN_SLEEP_S:
+            await self._sleep(delay)
+
+    async def prefill(self, tokens: int) -> float:
+        """Wait for this request's turn and its prefill time; returns the end time."""
+        _start, end = self.queue.book(self._clock(), tokens)
+        self.waiting += 1
+        self.queued_prefill_tokens += tokens
+        try:
+            await self._until(end)
+        finally:
+            self.waiting -= 1
+            self.queued_prefill_tokens -= tokens
+        return end
+
+    async def decode(self, count: int, start: float) -> AsyncIterator[int]:
+        """Yield token numbers 0..count-1, the i-th at `start + i * interval`.
+
+        The first token comes with the end of prefill, as in a real engine."""
+        self.running += 1
+        try:
+            for i in range(count):
+                deadline = start + i * self.decode_interval_s
+                if deadline - self._clock() > _MIN_SLEEP_S:
+                    await self._sleep(deadline - self._clock())
+                elif i % _YIELD_EVERY == _YIELD_EVERY - 1:
+                    await asyncio.sleep(0)
+                yield i
+        finally:
+            self.running -= 1

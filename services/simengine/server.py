@@ -1,0 +1,342 @@
+"""Wires the sim engine: aiohttp OpenAI API, KV event sockets, store mover, registry.
+
+HTTP routes (one port):
+
+- POST /v1/completions, POST /v1/chat/completions: see `completions`. They accept
+  `cache_salt` and `kv_transfer_params.quillcache` (an EnginePlan) and answer with
+  `x-sim-engine`, `x-sim-hit-blocks`, `x-sim-fetched-blocks`, `x-sim-recomputed-blocks`.
+- GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /sim/stats (JSON),
+  POST /reset_prefix_cache (AllBlocksCleared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from quillcache_core.errors import QuillCacheError
+from quillcache_core.metrics import MetricsRegistry
+from quillcache_core.registry import NodeRecord, NodeRegistry, open_registry
+from quillcache_core.tokenize import BuiltinTokenizer, Tokenizer, load_tokenizers
+from quillcache_simengine.completions import CompletionRoutes, json_error
+from quillcache_simengine.config import SimEngineConfig
+from quillcache_simengine.engine import SimEngine
+from quillcache_simengine.events import KvEventPublisher
+from quillcache_simengine.kvcache import PrefixCache
+from quillcache_simengine.offload import BlockMover, StoreFactory, default_store_factory
+from quillcache_simengine.openai_api import ApiError
+from quillcache_simengine.scheduler import Scheduler
+
+__all__ = ["SimEngineServer", "load_tokenizer"]
+
+logger = logging.getLogger(__name__)
+
+VERSION = "quillcache-sim-engine/0.1.0"
+
+
+def load_tokenizer(config: SimEngineConfig) -> Tokenizer:
+    """The gateway's tokenizer for this model: the same spec gives the same name."""
+    if config.tokenizer:
+        return load_tokenizers(f"{config.model}={config.tokenizer}")[config.model]
+    return BuiltinTokenizer()
+
+
+def _reader(read):
+    return lambda: [((), read())]
+
+
+def _seed(config: SimEngineConfig) -> bytes | None:
+    if not config.seed:
+        return None  # random per start, like vLLM's hash seed
+    return hashlib.sha256(b"quillcache/sim-engine/seed" + str(config.seed).encode()).digest()
+
+
+class SimEngineServer:
+    def __init__(
+        self, config: SimEngineConfig, *, store_factory: StoreFactory = default_store_factory
+    ) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.tokenizer_id = config.tokenizer_id or self.tokenizer.name
+        self.publisher = KvEventPublisher(
+            config.host,
+            pub_port=config.kv_events_port,
+            replay_port=config.kv_replay_port,
+            encoding=config.event_encoding,
+            buffer_batches=config.kv_events_buffer,
+        )
+        self.mover = BlockMover(
+            own_address=config.store,
+            own_node_id=config.store_node_id,
+            kv_shape=config.kv_shape,
+            timeout_s=config.store_timeout_s,
+            queue_blocks=config.offload_queue_blocks,
+            concurrency=config.offload_concurrency,
+            store_factory=store_factory,
+        )
+        self.scheduler = Scheduler(
+            prefill_us_per_token=config.prefill_us_per_token,
+            decode_us_per_token=config.decode_us_per_token,
+            time_scale=config.time_scale,
+        )
+        self.engine = SimEngine(
+            engine_id=config.node_id,
+            model_id=config.model,
+            tokenizer_id=self.tokenizer_id,
+            block_size=config.block_size,
+            cache=PrefixCache(config.hbm_blocks),
+            scheduler=self.scheduler,
+            publisher=self.publisher,
+            mover=self.mover,
+            seed=_seed(config),
+        )
+        self.metrics = MetricsRegistry(prefix="quillcache_sim_")
+        self.vllm_metrics = MetricsRegistry(prefix="vllm:")
+        self._requests = self.metrics.counter(
+            "requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"]
+        )
+        self._register_metrics()
+        self.routes = CompletionRoutes(config, self.engine, self.tokenizer, self._requests)
+        self.registry: NodeRegistry | None = (
+            open_registry(config.registry) if config.registry else None
+        )
+        self._registered = False
+        self._register_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+        self.started_at = time.time()
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.public_host}:{self.port}"
+
+    def record(self) -> NodeRecord:
+        events, replay = self.publisher.endpoints(self.config.public_host)
+        c = self.config
+        return NodeRecord(
+            kind="engine",
+            id=c.node_id,
+            address="",
+            locality_domain=c.locality_domain,
+            base_url=self.base_url,
+            kv_events_endpoint=events,
+            kv_replay_endpoint=replay,
+            model=c.model,
+            tokenizer=self.tokenizer_id,
+            store_node=c.store_node_id,
+            capacity_bytes=c.hbm_blocks * c.block_bytes,
+            version=VERSION,
+            start_time_s=self.started_at,
+            extra={
+                "engine_kind": "mock",
+                "block_size": c.block_size,
+                "hbm_blocks": c.hbm_blocks,
+                "block_bytes": c.block_bytes,
+                "event_encoding": c.event_encoding,
+            },
+        )
+
+    async def start(self) -> None:
+        self.publisher.start()
+        self.mover.start()
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[self._errors]
+        )
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.routes.completions),
+                web.post("/v1/chat/completions", self.routes.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.render_metrics),
+                web.get("/sim/stats", self.sim_stats),
+                web.post("/reset_prefix_cache", self.reset_prefix_cache),
+            ]
+        )
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, shutdown_timeout=1.0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - no accessor
+        if self.registry is not None:
+            self._register_task = asyncio.get_running_loop().create_task(
+                self._register_until_done(self.registry), name="register"
+            )
+            # Serve at once; registration is retried in the background if etcd is down.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._register_task), 5.0)
+        logger.info(
+            "sim engine %s serving %s on %s (%d HBM blocks, time scale %g, store %s)",
+            self.config.node_id,
+            self.config.model,
+            self.base_url,
+            self.config.hbm_blocks,
+            self.config.time_scale,
+            self.config.store or "none",
+        )
+
+    async def _register_until_done(self, registry: NodeRegistry) -> None:
+        delay = 0.1
+        while True:
+            try:
+                await registry.register(self.record(), self.config.lease_ttl_s)
+                self._registered = True
+                return
+            except QuillCacheError as exc:
+                logger.warning("registration failed (retry in %.1fs): %s", delay, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def ready_line(self) -> str:
+        events, replay = self.publisher.endpoints(self.config.public_host)
+        return (
+            f"READY sim-engine http={self.base_url} kv_events={events} replay={replay} "
+            f"metrics={self.base_url}"
+        )
+
+    async def stop(self) -> None:
+        task, self._register_task = self._register_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.registry is not None:
+            if self._registered:
+                try:
+                    async with asyncio.timeout(3.0):
+                        await self.registry.deregister("engine", self.config.node_id)
+                except (QuillCacheError, TimeoutError) as exc:
+                    logger.warning("deregistration failed: %s", exc)
+            await self.registry.close()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+        await self.mover.close()
+        await self.publisher.close()
+        logger.info("sim engine %s stopped", self.config.node_id)
+
+    # --- metrics ------------------------------------------------------------------------
+
+    def _register_metrics(self) -> None:
+        stats, mover, sched, cache = (
+            self.engine.stats,
+            self.mover.stats,
+            self.scheduler,
+            self.engine.cache,
+        )
+        counters = [
+            ("prompt_tokens_total", "prompt tokens received", lambda: stats.prompt_tokens),
+            ("computed_tokens_total", "prompt tokens prefilled", lambda: stats.computed_tokens),
+            ("generation_tokens_total", "output tokens generated", lambda: stats.generation_tokens),
+            ("hit_blocks_total", "blocks served from the prefix cache", lambda: stats.hit_blocks),
+            ("fetched_blocks_total", "blocks loaded from a store", lambda: stats.fetched_blocks),
+            ("recomputed_blocks_total", "full blocks prefilled", lambda: stats.recomputed_blocks),
+            ("fetch_fallback_blocks_total", "planned fetches recomputed instead",
+             lambda: stats.fetch_fallback_blocks),
+            ("evicted_blocks_total", "blocks evicted (LRU)", lambda: stats.evicted_blocks),
+            ("offloaded_blocks_total", "evicted blocks stored", lambda: mover.offloaded),
+            ("offloaded_bytes_total", "bytes of offloaded blocks", lambda: mover.offloaded_bytes),
+            ("offload_failures_total", "failed offload puts", lambda: mover.offload_failures),
+            ("offload_dropped_total", "evictions not offloaded (queue full)",
+             lambda: mover.offload_dropped),
+            ("fetch_failures_total", "failed or wrong block fetches", lambda: mover.fetch_failures),
+            ("kv_event_batches_total", "KV event batches published", lambda: stats.event_batches),
+        ]  # fmt: skip
+        gauges = [
+            ("offload_pending", "blocks waiting for offload", lambda: self.mover.pending),
+            ("cache_blocks", "blocks in the prefix cache", lambda: len(cache)),
+            ("cache_capacity_blocks", "prefix cache capacity", lambda: cache.capacity_blocks),
+            ("requests_waiting", "requests waiting for prefill", lambda: sched.waiting),
+            ("requests_running", "requests decoding", lambda: sched.running),
+            ("queued_prefill_tokens", "prefill tokens queued or running",
+             lambda: sched.queued_prefill_tokens),
+        ]  # fmt: skip
+        for kind, table in (("counter", counters), ("gauge", gauges)):
+            for name, help_text, read in table:
+                metric = self.metrics.gauge(name, help_text, read=_reader(read))
+                metric.kind = kind  # read at scrape time, but a counter to Prometheus
+        # vLLM's names, for tools that scrape engines for load.
+        model = (self.config.model,)
+        for name, help_text, read in (
+            ("num_requests_running", "running requests", lambda: sched.running),
+            ("num_requests_waiting", "waiting requests", lambda: sched.waiting),
+            ("kv_cache_usage_perc", "KV cache usage (1 = full)",
+             lambda: len(cache) / cache.capacity_blocks),
+        ):  # fmt: skip
+            self.vllm_metrics.gauge(
+                name, help_text, ["model_name"], read=lambda read=read: [(model, read())]
+            )
+
+    def stats_json(self) -> dict[str, Any]:
+        return {
+            "engine_id": self.config.node_id,
+            "engine": asdict(self.engine.stats),
+            "store": asdict(self.mover.stats),
+            "offload_pending": self.mover.pending,
+            "cache_blocks": len(self.engine.cache),
+            "cache_capacity_blocks": self.engine.cache.capacity_blocks,
+            "pinned_blocks": self.engine.cache.pinned_blocks,
+            "requests_waiting": self.scheduler.waiting,
+            "requests_running": self.scheduler.running,
+            "kv_events_next_seq": self.publisher.next_seq,
+            "registered": self._registered,
+        }
+
+    # --- plain routes -------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return json_error(ApiError(exc.status, exc.reason or str(exc)))
+        except ApiError as exc:
+            return json_error(exc)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            logger.exception("%s %s failed", request.method, request.path)
+            return json_error(ApiError(500, "internal error in the sim engine"))
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "engine_id": self.config.node_id})
+
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model,
+                        "object": "model",
+                        "created": int(self.started_at),
+                        "owned_by": "quillcache-sim",
+                        "root": self.config.model,
+                        "parent": None,
+                        "max_model_len": self.config.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def render_metrics(self, _request: web.Request) -> web.Response:
+        text = self.metrics.render() + self.vllm_metrics.render()
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def sim_stats(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.stats_json())
+
+    async def reset_prefix_cache(self, _request: web.Request) -> web.Response:
+        cleared = self.engine.reset_prefix_cache()
+        return web.json_response({"status": "ok", "cleared_blocks": cleared})

@@ -1,0 +1,614 @@
+"""`quillcache bench-store`: store and transfer throughput against their baselines.
+
+One run measures, with 2 MiB blocks (default):
+
+- baselines: raw loopback TCP streaming (sendall / recv_into), a bare gRPC raw-bytes
+  stream (one call; and one call per block, down and up: the same RPC shapes as Get and
+  Put, with no store behind them), and a raw sequential file write of the same bytes
+  followed by fdatasync;
+- the store over gRPC (real `quillcache store` process, `--clients` concurrent
+  clients): put into DRAM (a fresh pool, whose pages fault in, and a warm pool, whose
+  buffers are reused), get from DRAM, put to and get from SSD, and durable puts from
+  `--durable-clients` clients (SSD commit before the ack; concurrent puts share commits),
+  each pass right after a raw fsync'd write pass (the disk's speed drifts);
+- peer fetch through the transfer service between two store processes (real etcd,
+  conductor, transfer): bulk Transfer.Copy A -> B, and get(allow_remote) on B of blocks
+  held by A.
+
+Each figure is the median of `--repeat` passes. Goals checked: peer fetch (Copy) >= 50%
+of raw TCP; durable puts >= 60% of the raw fsync'd write. Results go to
+bench/results/store-<stamp>.json and .png (and store-latest.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import numpy as np
+
+from quillcache_core.benchutil import Progress, render_table, write_results
+from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_store.ssd import tune_malloc_for_large_values
+
+MIB = 1024 * 1024
+GOALS = (
+    ("peer fetch: transfer Copy A->B", "raw TCP loopback", 0.50),
+    ("durable put (group commit)", "raw write + fdatasync", 0.60),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quillcache bench-store",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--blocks", type=int, default=128, help="blocks per pass")
+    parser.add_argument("--block-bytes", type=int, default=2 * MIB)
+    parser.add_argument("--clients", type=int, default=4, help="concurrent store clients")
+    parser.add_argument(
+        "--durable-clients",
+        type=int,
+        default=8,
+        help="concurrent clients of the durable-put figure (group commit shares their syncs)",
+    )
+    parser.add_argument("--window", type=int, default=8, help="transfer window (blocks)")
+    parser.add_argument("--repeat", type=int, default=3, help="passes per figure (median)")
+    parser.add_argument("--data-dir", default="", help="where stores write (default: a temp dir)")
+    parser.add_argument("--out-dir", default="bench/results")
+    return parser
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _key(i: int, chain: str) -> KvBlockKey:
+    return KvBlockKey("bench-model", "bench-tok", None, "bench", "root", f"{chain}{i:08d}", i, 16)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+class _Service:
+    """A `quillcache <service>` child process; waits for its READY line."""
+
+    def __init__(self, service: str, args: list[str], log: Path) -> None:
+        self.log = log
+        self._file = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "quillcache_core.cli", service, *args],
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.fields: dict[str, str] = {}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith(f"READY {service} "):
+                    self.fields = dict(p.split("=", 1) for p in line.split()[2:])
+                    return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        self.stop()
+        raise RuntimeError(f"{service} did not start; log tail:\n{tail}")
+
+    @property
+    def address(self) -> str:
+        return self.fields["grpc"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        self._file.close()
+
+
+# --- baselines ------------------------------------------------------------------------------
+
+
+def raw_tcp(blocks: int, block_bytes: int) -> float:
+    """Seconds to stream `blocks` blocks over loopback TCP (sender and receiver threads)."""
+    blob = np.random.default_rng(1).bytes(block_bytes)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    done = threading.Event()
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        buf = memoryview(bytearray(block_bytes))
+        with conn:
+            for _ in range(blocks):
+                got = 0
+                while got < block_bytes:
+                    n = conn.recv_into(buf[got:], block_bytes - got)
+                    if n == 0:
+                        raise ConnectionError("sender closed early")
+                    got += n
+        done.set()
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        start = time.perf_counter()
+        for _ in range(blocks):
+            sock.sendall(blob)
+        receiver.join()
+        elapsed = time.perf_counter() - start
+    server.close()
+    return elapsed
+
+
+def raw_fsync_write(path: Path, blocks: int, block_bytes: int) -> float:
+    """Seconds to write `blocks` blocks sequentially and fdatasync them (one sync)."""
+    blob = np.random.default_rng(2).bytes(block_bytes)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        start = time.perf_counter()
+        for _ in range(blocks):
+            os.write(fd, blob)
+        os.fdatasync(fd)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+_BARE = "bench.Bare"
+
+
+def _bare_grpc_server(port_queue, block_bytes: int, chunk_bytes: int) -> None:
+    """Child process: a gRPC server streaming pre-built raw bytes (no protobuf, no store)."""
+    import grpc
+    import grpc.aio
+
+    tune_malloc_for_large_values()
+    chunks = [
+        np.random.default_rng(3).bytes(block_bytes)[o : o + chunk_bytes]
+        for o in range(0, block_bytes, chunk_bytes)
+    ]
+
+    async def down(request: bytes, context):
+        for _ in range(int.from_bytes(request, "little")):
+            for chunk in chunks:
+                yield chunk
+
+    async def up(request_iterator, context):
+        total = 0
+        async for message in request_iterator:
+            total += len(message)
+        return total.to_bytes(8, "little")
+
+    async def serve() -> None:
+        from quillcache_store.client import CHANNEL_OPTIONS
+
+        server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        handlers = {
+            "Down": grpc.unary_stream_rpc_method_handler(down),
+            "Up": grpc.stream_unary_rpc_method_handler(up),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_BARE, handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        port_queue.put(port)
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+async def bare_grpc(address: str, blocks: int, block_bytes: int, chunk_bytes: int, clients: int):
+    """(one-call stream s, per-block down s, per-block up s) against the bare server."""
+    import grpc.aio
+
+    from quillcache_store.client import CHANNEL_OPTIONS
+
+    channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(clients)]
+    downs = [c.unary_stream(f"/{_BARE}/Down") for c in channels]
+    ups = [c.stream_unary(f"/{_BARE}/Up") for c in channels]
+    blob = np.random.default_rng(4).bytes(block_bytes)
+    pieces = [blob[o : o + chunk_bytes] for o in range(0, block_bytes, chunk_bytes)]
+    for down in downs:  # connect and warm up
+        async for _ in down((1).to_bytes(8, "little")):
+            pass
+
+    start = time.perf_counter()
+    async for _ in downs[0](blocks.to_bytes(8, "little")):
+        pass
+    stream_s = time.perf_counter() - start
+
+    async def per_block_down(c: int) -> None:
+        for _ in range(c, blocks, clients):
+            async for _ in downs[c]((1).to_bytes(8, "little")):
+                pass
+
+    async def per_block_up(c: int) -> None:
+        for _ in range(c, blocks, clients):
+            call = ups[c]()
+            for piece in pieces:
+                await call.write(piece)
+            await call.done_writing()
+            await call
+
+    start = time.perf_counter()
+    await asyncio.gather(*(per_block_down(c) for c in range(clients)))
+    down_s = time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(per_block_up(c) for c in range(clients)))
+    up_s = time.perf_counter() - start
+    for channel in channels:
+        await channel.close()
+    return stream_s, down_s, up_s
+
+
+# --- store and transfer -------------------------------------------------------------------
+
+
+async def _timed(clients, blocks: int, op: Callable[[object, int], Awaitable[None]]) -> float:
+    """Seconds for `blocks` operations split over the clients (each sequential)."""
+
+    async def run(c: int) -> None:
+        for i in range(c, blocks, len(clients)):
+            await op(clients[c], i)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(run(c) for c in range(len(clients))))
+    return time.perf_counter() - start
+
+
+async def store_figures(
+    address: str, args, payloads, scratch: Path, progress: Progress
+) -> dict[str, list[float]]:
+    from quillcache_store.client import StoreClient
+
+    n, size = args.blocks, args.block_bytes
+    clients = [StoreClient(address, timeout_s=60) for _ in range(args.clients)]
+    out: dict[str, list[float]] = {}
+
+    def payload(i: int) -> bytes:
+        return payloads[i % len(payloads)]
+
+    async def measure(name: str, op, passes: int = args.repeat) -> None:
+        out[name] = []
+        for r in range(passes):
+            seconds = await _timed(clients, n, lambda c, i, r=r: op(c, i, r))
+            out[name].append(_gbps(n * size, seconds))
+        progress.advance()
+
+    writers = clients + [
+        StoreClient(address, timeout_s=60) for _ in range(args.durable_clients - len(clients))
+    ]
+    try:
+        await clients[0].stats()
+        # A fresh pool pays its page faults once; rewriting the same keys with other bytes
+        # reuses the buffers (the steady state of a full tier).
+        await measure(
+            "put DRAM (fresh pool)", lambda c, i, r: c.put(_key(i, "dram"), payload(i)), passes=1
+        )
+        await measure(
+            "put DRAM (warm pool)", lambda c, i, r: c.put(_key(i, "dram"), payload(i + r + 1))
+        )
+        await measure("get DRAM", lambda c, i, r: c.get(_key(i, "dram")))
+        await measure(
+            "put SSD",
+            lambda c, i, r: c.put(_key(i, f"ssd{r}"), payload(i), tier=CacheTier.LOCAL_SSD),
+        )
+        await measure("get SSD (promotes)", lambda c, i, r: c.get(_key(i, f"ssd{r}")))
+        # The disk's throughput drifts (burst credits, other tenants): each durable pass
+        # runs right after a raw write + fdatasync pass of the same bytes.
+        raw, durable = out["raw write + fdatasync"], out["durable put (group commit)"] = [], []
+        for r in range(args.repeat):
+            raw_s = await asyncio.to_thread(raw_fsync_write, scratch, n, size)
+            raw.append(_gbps(n * size, raw_s))
+            seconds = await _timed(
+                writers[: args.durable_clients],
+                n,
+                lambda c, i, r=r: c.put(_key(i, f"durable{r}"), payload(i), durable=True),
+            )
+            durable.append(_gbps(n * size, seconds))
+            progress.advance()
+    finally:
+        for client in writers:
+            await client.close()
+    return out
+
+
+async def _wait_indexed(conductor: str, key: KvBlockKey, node: str, timeout_s: float = 20) -> None:
+    import grpc.aio
+
+    from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+    from quillcache_store import wire
+
+    async with grpc.aio.insecure_channel(conductor) as channel:
+        stub = conductor_pb2_grpc.ConductorStub(channel)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reply = await stub.Locate(
+                conductor_pb2.LocateRequest(
+                    identity=wire.identity_of(key), block_hashes=[key.block_hash]
+                ),
+                timeout=5,
+            )
+            if any(loc.node_id == node for loc in reply.blocks[0].locations):
+                return
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"block {key.block_hash} never indexed on {node}")
+
+
+async def peer_figures(
+    a: str, b: str, transfer: str, conductor: str, args, payloads, progress: Progress
+) -> dict[str, list[float]]:
+    import grpc.aio
+
+    from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
+    from quillcache_store import wire
+    from quillcache_store.client import StoreClient
+
+    n, size = args.blocks, args.block_bytes
+    keys = [_key(i, "peer") for i in range(n)]
+    source = StoreClient(a, timeout_s=60)
+    dest = [StoreClient(b, timeout_s=60) for _ in range(args.clients)]
+    out: dict[str, list[float]] = {
+        "peer fetch: transfer Copy A->B": [],
+        "peer fetch: get(allow_remote) on B": [],
+    }
+    try:
+        await _timed([source], n, lambda c, i: c.put(keys[i], payloads[i % len(payloads)]))
+        await _wait_indexed(conductor, keys[-1], "store-a")
+        async with grpc.aio.insecure_channel(transfer) as channel:
+            stub = transfer_pb2_grpc.TransferStub(channel)
+            request = transfer_pb2.TransferRequest(
+                source_node="store-a",
+                destination_node="store-b",
+                keys=[wire.key_to_proto(k) for k in keys],
+                window=args.window,
+            )
+            # The first pass warms B's buffer pool; its figure is not kept.
+            for r in range(args.repeat + 1):
+                start = time.perf_counter()
+                final = None
+                async for message in stub.Copy(request, timeout=300):
+                    final = message
+                seconds = time.perf_counter() - start
+                if final is None or final.blocks_failed:
+                    raise RuntimeError(f"transfer failed: {final}")
+                if r:
+                    out["peer fetch: transfer Copy A->B"].append(_gbps(n * size, seconds))
+                await dest[0].delete(keys)
+                progress.advance()
+        for _ in range(args.repeat):
+            seconds = await _timed(dest, n, lambda c, i: c.get(keys[i], allow_remote=True))
+            out["peer fetch: get(allow_remote) on B"].append(_gbps(n * size, seconds))
+            await dest[0].delete(keys)
+            progress.advance()
+    finally:
+        for client in [source, *dest]:
+            await client.close()
+    return out
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.blocks < max(args.clients, args.durable_clients) or args.repeat < 1:
+        raise SystemExit("--blocks must be >= the client counts and --repeat >= 1")
+    tune_malloc_for_large_values()
+    n, size = args.blocks, args.block_bytes
+    rng = np.random.default_rng(7)
+    payloads = [
+        rng.standard_normal(size // 2, dtype=np.float32).astype(np.float16).tobytes()
+        for _ in range(4)
+    ]
+    figures: dict[str, list[float]] = {}
+    steps = 3 * args.repeat + 6 + 2 * args.repeat + 1
+    progress = Progress("bench-store", steps)
+    tmp = Path(tempfile.mkdtemp(prefix="qc-bench-", dir=args.data_dir or None))
+    services: list[_Service] = []
+    etcd = None
+    started = time.monotonic()
+    try:
+        figures["raw TCP loopback"] = []
+        for _ in range(args.repeat):
+            figures["raw TCP loopback"].append(_gbps(n * size, raw_tcp(n, size)))
+            progress.advance()
+
+        ctx = multiprocessing.get_context("spawn")
+        port_queue = ctx.Queue()
+        bare = ctx.Process(target=_bare_grpc_server, args=(port_queue, size, MIB), daemon=True)
+        bare.start()
+        try:
+            address = f"127.0.0.1:{port_queue.get(timeout=30)}"
+            for name in (
+                "bare gRPC stream (1 call)",
+                "bare gRPC per-block down",
+                "bare gRPC per-block up",
+            ):
+                figures[name] = []
+            for _ in range(args.repeat):
+                stream_s, down_s, up_s = asyncio.run(bare_grpc(address, n, size, MIB, args.clients))
+                figures["bare gRPC stream (1 call)"].append(_gbps(n * size, stream_s))
+                figures["bare gRPC per-block down"].append(_gbps(n * size, down_s))
+                figures["bare gRPC per-block up"].append(_gbps(n * size, up_s))
+                progress.advance()
+        finally:
+            bare.terminate()
+            bare.join(5)
+
+        from quillcache_core.etcd_server import EtcdServer
+
+        etcd = EtcdServer(tmp / "etcd").start()
+        registry = ["--registry", etcd.client_url]
+        capacity = [
+            "--dram-capacity-bytes",
+            str(max(2048 * MIB, 10 * n * size)),
+            "--ssd-capacity-bytes",
+            str(max(4096 * MIB, 2 * (2 * args.repeat + 1) * n * size)),
+        ]
+        conductor = _Service("conductor", registry, tmp / "conductor.log")
+        services.append(conductor)
+        store_a = _Service(
+            "store",
+            [*registry, "--node-id", "store-a", "--data-dir", str(tmp / "a"), *capacity],
+            tmp / "store-a.log",
+        )
+        services.append(store_a)
+        store_b = _Service(
+            "store",
+            [*registry, "--node-id", "store-b", "--data-dir", str(tmp / "b"), *capacity],
+            tmp / "store-b.log",
+        )
+        services.append(store_b)
+        transfer = _Service("transfer", registry, tmp / "transfer.log")
+        services.append(transfer)
+
+        figures.update(
+            asyncio.run(store_figures(store_a.address, args, payloads, tmp / "raw.bin", progress))
+        )
+        figures.update(
+            asyncio.run(
+                peer_figures(
+                    store_a.address,
+                    store_b.address,
+                    transfer.address,
+                    conductor.address,
+                    args,
+                    payloads,
+                    progress,
+                )
+            )
+        )
+    finally:
+        for service in reversed(services):
+            service.stop()
+        if etcd is not None:
+            etcd.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    elapsed = time.monotonic() - started
+    return _report(args, figures, elapsed)
+
+
+BASELINE_OF = {
+    "bare gRPC stream (1 call)": "raw TCP loopback",
+    "bare gRPC per-block down": "raw TCP loopback",
+    "bare gRPC per-block up": "raw TCP loopback",
+    "put DRAM (fresh pool)": "bare gRPC per-block up",
+    "put DRAM (warm pool)": "bare gRPC per-block up",
+    "get DRAM": "bare gRPC per-block down",
+    "put SSD": "bare gRPC per-block up",
+    "get SSD (promotes)": "bare gRPC per-block down",
+    "durable put (group commit)": "raw write + fdatasync",
+    "peer fetch: transfer Copy A->B": "raw TCP loopback",
+    "peer fetch: get(allow_remote) on B": "raw TCP loopback",
+}
+
+
+PAIRED = {"durable put (group commit)"}
+
+
+def _report(args, figures: dict[str, list[float]], elapsed: float) -> int:
+    median = {name: statistics.median(values) for name, values in figures.items()}
+    rows, results = [], {}
+    for name, value in median.items():
+        base = BASELINE_OF.get(name)
+        ratio = value / median[base] if base and median.get(base) else None
+        if name in PAIRED and base in figures:
+            # Interleaved passes: the median of per-pass ratios cancels the disk's drift.
+            ratio = statistics.median(
+                v / b for v, b in zip(figures[name], figures[base], strict=True) if b > 0
+            )
+        spread = f"{min(figures[name]):.2f}-{max(figures[name]):.2f}"
+        rows.append(
+            (
+                name,
+                value,
+                spread,
+                base or "(baseline)",
+                f"{ratio:.0%}" if ratio is not None else "-",
+            )
+        )
+        results[name] = {
+            "gbps": value,
+            "passes_gbps": figures[name],
+            "baseline": base,
+            "ratio": ratio,
+        }
+    print()
+    print(
+        f"Store throughput: {args.blocks} blocks of {args.block_bytes / MIB:g} MiB per pass, "
+        f"{args.clients} clients ({args.durable_clients} for durable puts), transfer window "
+        f"{args.window}, median of {args.repeat} "
+        f"passes ({os.cpu_count()} CPUs, {elapsed:.0f}s)"
+    )
+    print(render_table(["measurement", "GB/s", "range", "vs", "ratio"], rows))
+    print()
+    goals = []
+    for name, base, target in GOALS:
+        ratio = results[name]["ratio"] or 0.0
+        met = ratio >= target
+        goals.append(
+            {"measurement": name, "baseline": base, "target": target, "ratio": ratio, "met": met}
+        )
+        verdict = "met" if met else "NOT MET"
+        print(f"goal {name} >= {target:.0%} of {base}: {ratio:.0%} -> {verdict}")
+    payload = {"config": vars(args), "results": results, "goals": goals, "elapsed_s": elapsed}
+    path = write_results("store", payload, args.out_dir)
+    png = _plot(median, path.with_suffix(".png"))
+    shutil.copy(png, png.with_name("store-latest.png"))
+    print(f"\nwrote {path} and {png}")
+    return 0
+
+
+def _plot(median: dict[str, float], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(median)
+    colors = [
+        "tab:gray"
+        if BASELINE_OF.get(n) in (None, "raw TCP loopback") and "peer" not in n
+        else ("tab:green" if "peer" in n else "tab:blue")
+        for n in names
+    ]
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    y = np.arange(len(names))
+    ax.barh(y, [median[n] for n in names], color=colors)
+    ax.set_yticks(y, names)
+    ax.invert_yaxis()
+    ax.set_xlabel("GB/s (median)")
+    ax.set_title("QuillCache store and transfer vs baselines (2 MiB blocks)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Store node settings: one frozen object from CLI flags and QC_* variables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.settings import opt
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    host: str = opt("127.0.0.1", "address to bind the gRPC and metrics ports on")
+    port: int = opt(0, "gRPC port (0 = a free port, printed on the READY line)")
+    metrics_port: int = opt(0, "HTTP port for /metrics and /health (0 = a free port)")
+    advertise_host: str = opt(
+        "", "host other nodes reach this one at (default: --host, or 127.0.0.1 for 0.0.0.0)"
+    )
+    node_id: str = opt("store-0", "this store node's id in the registry and in KV events")
+    data_dir: str = opt("", "directory of the SSD tier (LMDB); required")
+    dram_capacity_bytes: int = opt(1 * GIB, "DRAM tier budget in bytes")
+    ssd_capacity_bytes: int = opt(8 * GIB, "SSD tier budget in bytes (records: header + payload)")
+    locality_domain: str = opt("", "locality domain (rack, zone) announced in the registry")
+    registry: str = opt(
+        "memory", "NodeRegistry: 'memory' or an etcd URL such as http://127.0.0.1:2379"
+    )
+    lease_ttl_s: float = opt(3.0, "lease TTL of this node's registry record, seconds")
+    conductor: str = opt(
+        "", "conductor gRPC address for residency events (default: discover in the registry)"
+    )
+    transfer: str = opt(
+        "",
+        "transfer service address for peer fetch (default: discover in the registry; "
+        "'none' = fetch from peers directly)",
+    )
+    peer_fetch: bool = opt(True, "serve Get(allow_remote) misses from peer store nodes")
+    max_chunk_bytes: int = opt(8 * MIB, "largest data field accepted in one Put chunk")
+    max_block_bytes: int = opt(256 * MIB, "largest block accepted by Put")
+    max_inflight_put_bytes: int = opt(
+        512 * MIB, "bytes of Put payloads being received at once (further Puts wait)"
+    )
+    default_chunk_bytes: int = opt(1 * MIB, "Get chunk size when the request gives none")
+    group_commit_window_s: float = opt(0.002, "SSD group commit window for durable puts")
+    lazy_commit_window_s: float = opt(0.05, "SSD commit delay for non-durable writes")
+    event_queue_max: int = opt(
+        100_000, "residency events held for the conductor; on overflow a full resync follows"
+    )
+    event_batch_max: int = opt(512, "residency events per KvEventBatch")
+    rpc_timeout_s: float = opt(10.0, "deadline of calls to the conductor, peers and transfer")
+    worker_threads: int = opt(8, "threads for disk and checksum work")
+    log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+    def __post_init__(self) -> None:
+        if not self.data_dir:
+            raise InvalidArgument("--data-dir is required (the SSD tier's directory)")
+        if self.dram_capacity_bytes <= 0:
+            raise InvalidArgument("--dram-capacity-bytes must be positive")
+        if self.ssd_capacity_bytes <= 0:
+            raise InvalidArgument("--ssd-capacity-bytes must be positive")
+        if self.lease_ttl_s <= 0:
+            raise InvalidArgument("--lease-ttl-s must be positive")
+        if not 4096 <= self.max_chunk_bytes <= 64 * MIB - 4096:
+            raise InvalidArgument("--max-chunk-bytes must be in 4096..(64 MiB - 4096)")
+        if not 4096 <= self.default_chunk_bytes <= self.max_chunk_bytes:
+            raise InvalidArgument("--default-chunk-bytes must be in 4096..--max-chunk-bytes")
+        if self.max_block_bytes <= 0 or self.max_inflight_put_bytes < self.max_block_bytes:
+            raise InvalidArgument(
+                "--max-block-bytes must be positive and <= --max-inflight-put-bytes"
+            )
+        if self.event_queue_max <= 0 or self.event_batch_max <= 0:
+            raise InvalidArgument("--event-queue-max and --event-batch-max must be positive")
+        if self.rpc_timeout_s <= 0 or self.worker_threads <= 0:
+            raise InvalidArgument("--rpc-timeout-s and --worker-threads must be positive")
+        if "/" in self.node_id or not self.node_id:
+            raise InvalidArgument("--node-id must be non-empty and contain no '/'")
+
+    @property
+    def advertised_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host

@@ -1,0 +1,205 @@
+"""A store node's outbound calls: the conductor, the transfer service, peer stores.
+
+Each link finds its target from a fixed address, else through the registry (the first
+live node of the kind), and forgets a discovered address after a failed call so the
+next call looks again. Every call has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import grpc.aio
+
+from quillcache.v1 import (
+    common_pb2,
+    conductor_pb2,
+    conductor_pb2_grpc,
+    transfer_pb2,
+    transfer_pb2_grpc,
+)
+from quillcache_core.errors import NodeUnavailable, NotFound
+from quillcache_core.model import KvBlockKey
+from quillcache_core.registry import NodeRegistry
+from quillcache_core.rpc import error_from_status
+from quillcache_store import wire
+from quillcache_store.client import CHANNEL_OPTIONS, StoreClient, domain_error
+from quillcache_store.pooled import PeerLocation
+
+log = logging.getLogger(__name__)
+
+
+class _Target:
+    """A gRPC channel to a fixed address or to the first registry node of `kind`."""
+
+    def __init__(self, kind: str, address: str, registry: NodeRegistry | None) -> None:
+        self.kind = kind
+        self.fixed = address
+        self.registry = registry
+        self._address = ""
+        self._channel: grpc.aio.Channel | None = None
+
+    async def channel(self) -> grpc.aio.Channel:
+        if self._channel is not None:
+            return self._channel
+        address = self.fixed
+        if not address and self.registry is not None:
+            nodes = [n for n in await self.registry.list(self.kind) if n.address]
+            if nodes:
+                address = nodes[0].address
+        if not address:
+            raise NodeUnavailable(f"no {self.kind} address configured or registered")
+        self._address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        log.info("using %s at %s", self.kind, address)
+        return self._channel
+
+    async def failed(self) -> None:
+        """Forget a discovered address (a fixed one is kept: gRPC reconnects to it)."""
+        if self.fixed or self._channel is None:
+            return
+        channel, self._channel = self._channel, None
+        await channel.close()
+
+    async def available(self) -> bool:
+        try:
+            await self.channel()
+        except NodeUnavailable:
+            return False
+        return True
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+
+class ConductorLink:
+    """IngestKvEvents and Locate on the conductor."""
+
+    def __init__(self, address: str, registry: NodeRegistry | None, timeout_s: float) -> None:
+        self._target = _Target("conductor", address, registry)
+        self.timeout_s = timeout_s
+
+    async def _stub(self) -> conductor_pb2_grpc.ConductorStub:
+        return conductor_pb2_grpc.ConductorStub(await self._target.channel())
+
+    async def ingest(self, batch: conductor_pb2.KvEventBatch) -> None:
+        """Deliver one batch; raises on any failure (the reporter retries it)."""
+        stub = await self._stub()
+        try:
+            reply = await stub.IngestKvEvents(batch, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                await self._target.failed()
+            raise domain_error(exc) from None
+        if reply.rejected:
+            log.warning(
+                "conductor rejected %d of %d residency events: %s",
+                reply.rejected,
+                len(batch.events),
+                "; ".join(reply.errors[:3]),
+            )
+
+    async def reset(self) -> None:
+        """Look the conductor up again on the next call (it may have moved)."""
+        await self._target.failed()
+
+    async def locate(self, key: KvBlockKey) -> list[PeerLocation]:
+        """Store nodes holding the block under its identity, per the conductor's index."""
+        stub = await self._stub()
+        request = conductor_pb2.LocateRequest(
+            identity=wire.identity_of(key), block_hashes=[key.block_hash]
+        )
+        try:
+            reply = await stub.Locate(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            await self._target.failed()
+            raise domain_error(exc) from None
+        out = []
+        for block in reply.blocks:
+            for loc in block.locations:
+                tier = wire.tier_from_proto(loc.tier)
+                if loc.kind == "store" and tier is not None:
+                    out.append(PeerLocation(loc.node_id, loc.address, tier))
+        return out
+
+    async def close(self) -> None:
+        await self._target.close()
+
+
+class TransferLink:
+    """Transfer.Copy of one block from a peer into this node."""
+
+    def __init__(
+        self, node_id: str, address: str, registry: NodeRegistry | None, timeout_s: float
+    ) -> None:
+        self.node_id = node_id
+        self._target = _Target("transfer", address, registry)
+        self.timeout_s = timeout_s
+
+    async def available(self) -> bool:
+        return await self._target.available()
+
+    async def copy_here(self, peer: PeerLocation, key: KvBlockKey) -> None:
+        """Copy `key` from `peer` into this node's DRAM; raises the block's error."""
+        stub = transfer_pb2_grpc.TransferStub(await self._target.channel())
+        request = transfer_pb2.TransferRequest(
+            source_node=peer.node_id,
+            destination_node=self.node_id,
+            keys=[wire.key_to_proto(key)],
+            destination_tier=common_pb2.TIER_CPU_DRAM,
+            window=1,
+        )
+        last = None
+        try:
+            async for progress in stub.Copy(request, timeout=self.timeout_s):
+                last = progress
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                await self._target.failed()
+            raise domain_error(exc) from None
+        if last is None or not last.finished or not last.results:
+            raise NodeUnavailable("transfer service ended Copy without a final result")
+        result = last.results[0]
+        if not result.ok:
+            code = getattr(grpc.StatusCode, result.code, grpc.StatusCode.UNAVAILABLE)
+            raise error_from_status(code, f"transfer from {peer.node_id}: {result.error}")
+
+    async def close(self) -> None:
+        await self._target.close()
+
+
+class PeerStores:
+    """StoreClients to peer nodes, by address (resolved through the registry)."""
+
+    def __init__(self, registry: NodeRegistry | None, timeout_s: float) -> None:
+        self.registry = registry
+        self.timeout_s = timeout_s
+        self._clients: dict[str, StoreClient] = {}
+
+    async def address_of(self, peer: PeerLocation) -> str:
+        if self.registry is not None:
+            record = await self.registry.get("store", peer.node_id)
+            if record is not None and record.address:
+                return record.address
+        if peer.address:
+            return peer.address
+        raise NotFound(f"store node {peer.node_id!r} is not registered")
+
+    async def fetch(self, peer: PeerLocation, key: KvBlockKey) -> bytes:
+        address = await self.address_of(peer)
+        client = self._clients.get(address)
+        if client is None:
+            client = self._clients[address] = StoreClient(address, timeout_s=self.timeout_s)
+        data, _tier = await client.get(key)
+        return data
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
+
+
+__all__ = ["ConductorLink", "PeerStores", "TransferLink"]

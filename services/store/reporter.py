@@ -1,0 +1,196 @@
+"""Residency reporting: the node's TierEvents, batched, to the conductor, in order.
+
+`offer(event)` is what `TieredStore` calls on every residency change. It may run on any
+thread, under a per-key lock, so it only appends to a bounded queue and wakes the
+sender; it never blocks and never does I/O. The sender (`run`, a task on the event
+loop) takes what is queued (up to `max_batch` events), turns it into one KvEventBatch
+(source_kind "store") and hands it to `send`; on failure the same batch is retried with
+backoff (0.1 s doubling to 2 s), so events reach the conductor in the order they
+happened.
+
+Resync. Each event sets or unsets one (block, tier) fact, so the state at time T is
+"everything held at T" followed by the events queued before T, in order. The reporter
+starts with a resync (AllBlocksCleared, then a "stored" event for every block the node
+holds: `snapshot()`), which is how a restarted node announces what its SSD tier kept.
+If the queue overflows (the conductor is unreachable for long), queued events are
+dropped and another resync is sent once it is reachable again: memory stays bounded
+and the conductor ends up right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from quillcache.v1 import conductor_pb2
+from quillcache_store import wire
+from quillcache_store.tiers import STORED, TierEvent
+
+log = logging.getLogger(__name__)
+
+_BACKOFF_START_S = 0.1
+_BACKOFF_MAX_S = 2.0
+
+
+def event_to_proto(event: TierEvent) -> conductor_pb2.KvEvent:
+    """One store KvEvent: a "stored" carries the block's identity, parent, index and size."""
+    key = event.key
+    medium = event.tier.value
+    if event.kind == STORED:
+        return conductor_pb2.KvEvent(
+            stored=conductor_pb2.BlockStored(
+                block_hashes=[key.block_hash],
+                parent_block_hash=key.prefix_hash,
+                block_size=key.token_count,
+                medium=medium,
+                bytes_per_block=event.bytes,
+                identity=wire.identity_of(key),
+                first_block_index=key.block_index,
+            )
+        )
+    return conductor_pb2.KvEvent(
+        removed=conductor_pb2.BlockRemoved(block_hashes=[key.block_hash], medium=medium)
+    )
+
+
+class ResidencyReporter:
+    """Queue of residency events and the task that delivers them. See the module doc."""
+
+    def __init__(
+        self,
+        node_id: str,
+        send: Callable[[conductor_pb2.KvEventBatch], Awaitable[None]],
+        snapshot: Callable[[], list[TierEvent]],
+        *,
+        max_queue: int = 100_000,
+        max_batch: int = 512,
+    ) -> None:
+        self.node_id = node_id
+        self._send = send
+        self._snapshot = snapshot
+        self._max_queue = max(1, max_queue)
+        self._max_batch = max(1, max_batch)
+        self._queue: collections.deque[TierEvent] = collections.deque()
+        self._resync = True  # the first thing sent: what this node holds
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._signalled = False
+        self._sequence = 0
+        self.events_offered = 0
+        self.events_sent = 0
+        self.events_dropped = 0
+        self.batches_sent = 0
+        self.send_failures = 0
+        self.resyncs = 0
+
+    # --- producer side (any thread) ----------------------------------------------------
+
+    def offer(self, event: TierEvent) -> None:
+        """Queue one event; never blocks. Thread-safe."""
+        self.events_offered += 1
+        if len(self._queue) >= self._max_queue:
+            dropped = len(self._queue)
+            self._queue.clear()
+            self.events_dropped += dropped + 1
+            if not self._resync:
+                log.warning(
+                    "residency queue full (%d events): dropped, a full resync will follow",
+                    dropped,
+                )
+            self._resync = True
+        else:
+            self._queue.append(event)
+        self._signal()
+
+    def request_resync(self) -> None:
+        """Send AllBlocksCleared and the full residency next (e.g. after a conductor restart)."""
+        self._resync = True
+        self._signal()
+
+    def _signal(self) -> None:
+        if self._signalled or self._loop is None or self._wake is None:
+            return
+        self._signalled = True
+        try:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the loop is closed: shutting down
+            pass
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    # --- sender side (event loop) --------------------------------------------------------
+
+    async def run(self) -> None:
+        """Deliver events until cancelled."""
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        while True:
+            self._signalled = False
+            self._wake.clear()
+            if self._resync:
+                await self._deliver_resync()
+                continue
+            if not self._queue:
+                await self._wake.wait()
+                continue
+            events = []
+            while self._queue and len(events) < self._max_batch:
+                events.append(self._queue.popleft())
+            await self._deliver(events)
+
+    async def _deliver_resync(self) -> None:
+        self._resync = False
+        self.resyncs += 1
+        # Events queued before the snapshot are replayed after it (see the module doc).
+        held = await asyncio.to_thread(self._snapshot)
+        batches = [[conductor_pb2.KvEvent(cleared=conductor_pb2.AllBlocksCleared())]]
+        protos = [event_to_proto(e) for e in held]
+        for i in range(0, len(protos), self._max_batch):
+            batches.append(protos[i : i + self._max_batch])
+        for batch in batches:
+            if self._resync:  # overflowed meanwhile: start over
+                return
+            await self._deliver_protos(batch, len(batch))
+        log.info("announced residency to the conductor: %d blocks", len(held))
+
+    async def _deliver(self, events: list[TierEvent]) -> None:
+        await self._deliver_protos([event_to_proto(e) for e in events], len(events))
+
+    async def _deliver_protos(self, protos: list[conductor_pb2.KvEvent], count: int) -> None:
+        self._sequence += 1
+        batch = conductor_pb2.KvEventBatch(
+            engine_id=self.node_id,
+            ts_ms=int(time.time() * 1000),
+            events=protos,
+            source_kind="store",
+            sequence=self._sequence,
+        )
+        delay = _BACKOFF_START_S
+        failures = 0
+        while True:
+            try:
+                await self._send(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure: keep the batch, retry it
+                self.send_failures += 1
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(
+                    level, "residency batch %d not delivered (%s); retrying", batch.sequence, exc
+                )
+                if self._resync:
+                    return  # the resync supersedes this batch
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                continue
+            if failures:
+                log.info("residency batch %d delivered after %d failures", batch.sequence, failures)
+            self.batches_sent += 1
+            self.events_sent += count
+            return

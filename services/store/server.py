@@ -1,0 +1,332 @@
+"""Wires a store node: tiers, servicer, health, reflection, metrics, registry, reporter."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from quillcache_core.errors import NodeUnavailable
+from quillcache_core.metrics import MetricsRegistry
+from quillcache_core.registry import NodeRecord, open_registry
+from quillcache_core.rpc import add_health_and_reflection, set_serving, start_metrics_app
+from quillcache_store.client import MAX_MESSAGE_BYTES
+from quillcache_store.config import StoreConfig
+from quillcache_store.dram import DramTier
+from quillcache_store.links import ConductorLink, PeerStores, TransferLink
+from quillcache_store.pooled import PooledStore
+from quillcache_store.reporter import ResidencyReporter
+from quillcache_store.servicer import SERVICE_NAME, ByteBudget, StoreServicer
+from quillcache_store.ssd import SsdTier
+from quillcache_store.tiers import TieredStore
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+
+
+class StoreServer:
+    """One store node process. `start()`, `ready_line()`, `stop()` (see service.py)."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self.metrics = MetricsRegistry()
+        self.registry = open_registry(config.registry)
+        # A memory registry knows only this process: discovery needs etcd.
+        discovering = None if config.registry.strip().startswith("memory") else self.registry
+        self.conductor = ConductorLink(config.conductor, discovering, config.rpc_timeout_s)
+        self.transfer: TransferLink | None = None
+        if config.transfer.lower() != "none":
+            self.transfer = TransferLink(
+                config.node_id, config.transfer, discovering, config.rpc_timeout_s
+            )
+        self.peers = PeerStores(discovering, config.rpc_timeout_s)
+        self._discovering = discovering is not None
+        self._reporting = bool(config.conductor) or discovering is not None
+        self.executor = ThreadPoolExecutor(config.worker_threads, thread_name_prefix="store-io")
+        self.reporter = ResidencyReporter(
+            config.node_id,
+            self.conductor.ingest,
+            self._snapshot,
+            max_queue=config.event_queue_max,
+            max_batch=config.event_batch_max,
+        )
+        self.tiered: TieredStore | None = None
+        self.pooled: PooledStore | None = None
+        self.servicer: StoreServicer | None = None
+        self.server: grpc.aio.Server | None = None
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._ssd_corrupt_on_open = 0
+        self._runner = None
+        self._tasks: list[asyncio.Task] = []
+        self._registered = False
+
+    # --- wiring ----------------------------------------------------------------------------
+
+    def _open_tiers(self) -> TieredStore:
+        cfg = self.config
+        dram = DramTier(cfg.dram_capacity_bytes)
+        ssd = SsdTier(
+            os.path.join(cfg.data_dir, "ssd"),
+            cfg.ssd_capacity_bytes,
+            group_commit_window_s=cfg.group_commit_window_s,
+            lazy_commit_window_s=cfg.lazy_commit_window_s,
+        )
+        self._ssd_corrupt_on_open = ssd.stats()["corrupt_blocks"]
+        return TieredStore(dram, ssd, on_event=self._on_tier_event)
+
+    def _on_tier_event(self, event) -> None:
+        if self._reporting:
+            self.reporter.offer(event)
+
+    def _snapshot(self):
+        return self.tiered.residency() if self.tiered is not None else []
+
+    async def _copy_here(self, peer, key) -> None:
+        if self.transfer is None:
+            raise NodeUnavailable("no transfer service configured")
+        await self.transfer.copy_here(peer, key)
+
+    async def start(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        self.tiered = await loop.run_in_executor(self.executor, self._open_tiers)
+        self.pooled = PooledStore(
+            cfg.node_id,
+            self.tiered,
+            self.executor,
+            locate=self.conductor.locate if cfg.peer_fetch else None,
+            # Without a reachable transfer service, PooledStore fetches directly.
+            copy_here=self._copy_here if self.transfer is not None else None,
+            fetch=self.peers.fetch,
+        )
+        self.servicer = StoreServicer(
+            cfg.node_id,
+            self.tiered,
+            self.pooled,
+            self.executor,
+            max_chunk_bytes=cfg.max_chunk_bytes,
+            max_block_bytes=cfg.max_block_bytes,
+            default_chunk_bytes=cfg.default_chunk_bytes,
+            put_budget=ByteBudget(cfg.max_inflight_put_bytes),
+            extra_corrupt=lambda: self._ssd_corrupt_on_open,
+        )
+        self._register_metrics()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        handlers = self.servicer.method_handlers()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),)
+        )
+        server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        health = add_health_and_reflection(server, [SERVICE_NAME])
+        self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.grpc_port == 0:
+            raise RuntimeError(f"could not bind gRPC port {cfg.host}:{cfg.port}")
+        await server.start()
+        self.server = server
+        self._runner, self.metrics_port = await start_metrics_app(
+            self.metrics, cfg.host, cfg.metrics_port
+        )
+        await self.registry.register(
+            NodeRecord(
+                kind="store",
+                id=cfg.node_id,
+                address=self.address,
+                locality_domain=cfg.locality_domain,
+                capacity_bytes=cfg.dram_capacity_bytes + cfg.ssd_capacity_bytes,
+                version=VERSION,
+                start_time_s=time.time(),
+                extra={
+                    "dram_capacity_bytes": cfg.dram_capacity_bytes,
+                    "ssd_capacity_bytes": cfg.ssd_capacity_bytes,
+                    "metrics_url": f"http://{cfg.advertised_host}:{self.metrics_port}",
+                },
+            ),
+            cfg.lease_ttl_s,
+        )
+        self._registered = True
+        if self._reporting:
+            self._tasks.append(asyncio.create_task(self.reporter.run(), name="residency-reporter"))
+        if self._discovering:
+            conductors = {c.id: c.start_time_s for c in await self.registry.list("conductor")}
+            self._tasks.append(
+                asyncio.create_task(self._watch_fleet(conductors), name="registry-watch")
+            )
+        else:
+            logger.warning(
+                "no conductor configured and no registry to find one: residency is not reported"
+            )
+        await set_serving(health, [SERVICE_NAME])
+        s = self.tiered.stats()
+        logger.info(
+            "store %s serving on %s (dram %d bytes, ssd %d blocks / %d bytes reopened, "
+            "peer fetch via %s) in %.2fs",
+            cfg.node_id,
+            self.address,
+            cfg.dram_capacity_bytes,
+            s["local_ssd_blocks"],
+            s["local_ssd_bytes"],
+            "transfer" if self.transfer is not None else "direct",
+            time.monotonic() - started,
+        )
+
+    async def _watch_fleet(self, conductors: dict[str, float]) -> None:
+        """Resend the full residency when the conductor's index may have lost it: a
+        conductor (re)started, or this node's own record came back after a leave (its
+        lease expired during an etcd outage, so the conductor dropped its blocks)."""
+        node_id = self.config.node_id
+        own_present = True
+        while True:
+            try:
+                async for event in self.registry.watch():
+                    record = event.record
+                    if record.kind == "conductor" and event.type != "leave":
+                        if conductors.get(record.id) == record.start_time_s:
+                            continue  # the one this node announced itself to at start
+                        conductors[record.id] = record.start_time_s
+                        logger.info("conductor %s (re)started: resending residency", record.id)
+                        await self.conductor.reset()
+                        self.reporter.request_resync()
+                    elif record.kind == "store" and record.id == node_id:
+                        if event.type == "leave":
+                            own_present = False
+                        elif not own_present:
+                            own_present = True
+                            logger.info("registered again after a lease loss: resending residency")
+                            self.reporter.request_resync()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("registry watch failed; restarting it")
+                await asyncio.sleep(0.5)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.advertised_host}:{self.grpc_port}"
+
+    def ready_line(self) -> str:
+        host = self.config.advertised_host
+        return f"READY store grpc={host}:{self.grpc_port} metrics=http://{host}:{self.metrics_port}"
+
+    def _register_metrics(self) -> None:
+        m = self.metrics
+        tiered, pooled, servicer, reporter = self.tiered, self.pooled, self.servicer, self.reporter
+
+        def per_tier(field: str):
+            def read():
+                s = tiered.stats()
+                return [
+                    (("cpu_dram",), s[f"cpu_dram_{field}"]),
+                    (("local_ssd",), s[f"local_ssd_{field}"]),
+                ]
+
+            return read
+
+        def stat(name: str):
+            return lambda: [((), tiered.stats()[name])]
+
+        m.gauge("store_bytes", "payload bytes held, per tier", ["tier"], read=per_tier("bytes"))
+        m.gauge("store_blocks", "blocks held, per tier", ["tier"], read=per_tier("blocks"))
+        m.gauge("store_capacity_bytes", "tier budgets", ["tier"], read=per_tier("capacity"))
+        m.gauge("store_hits_total", "Gets served", read=lambda: [((), pooled.hits)])
+        m.gauge("store_misses_total", "Gets answered NOT_FOUND", read=lambda: [((), pooled.misses)])
+        m.gauge("store_demotions_total", "blocks demoted DRAM -> SSD", read=stat("demotions"))
+        m.gauge("store_promotions_total", "blocks promoted SSD -> DRAM", read=stat("promotions"))
+        m.gauge("store_evictions_total", "blocks evicted from SSD", read=stat("evictions"))
+        m.gauge(
+            "store_corrupt_blocks_total",
+            "blocks that failed verification (dropped, never served)",
+            read=lambda: [((), tiered.stats()["corrupt"] + self._ssd_corrupt_on_open)],
+        )
+        m.gauge(
+            "store_peer_fetches_total",
+            "blocks fetched from peers",
+            read=lambda: [((), pooled.peer_fetches)],
+        )
+        m.gauge(
+            "store_peer_fetch_bytes_total",
+            "bytes fetched from peers",
+            read=lambda: [((), pooled.peer_fetch_bytes)],
+        )
+        m.gauge(
+            "store_puts_total",
+            "blocks stored by Put, per landing tier",
+            ["tier"],
+            read=lambda: [((t.value,), n) for t, n in servicer.puts.items()],
+        )
+        m.gauge(
+            "store_put_bytes_total", "bytes stored by Put", read=lambda: [((), servicer.put_bytes)]
+        )
+        m.gauge(
+            "store_rejected_puts_total",
+            "Puts refused (bad input, capacity, checksum)",
+            read=lambda: [((), servicer.rejected_puts)],
+        )
+        m.gauge(
+            "store_get_bytes_total", "bytes served by Get", read=lambda: [((), servicer.get_bytes)]
+        )
+        m.gauge(
+            "store_ssd_commits_total",
+            "SSD transactions committed",
+            read=lambda: [((), tiered.ssd.stats()["commits"])],
+        )
+        m.gauge(
+            "store_residency_events_pending",
+            "residency events not yet sent",
+            read=lambda: [((), reporter.pending)],
+        )
+        m.gauge(
+            "store_residency_events_sent_total",
+            "residency events delivered",
+            read=lambda: [((), reporter.events_sent)],
+        )
+        m.gauge(
+            "store_residency_events_dropped_total",
+            "events dropped on overflow (resynced)",
+            read=lambda: [((), reporter.events_dropped)],
+        )
+        m.gauge(
+            "store_residency_send_failures_total",
+            "failed event deliveries (retried)",
+            read=lambda: [((), reporter.send_failures)],
+        )
+
+    # --- shutdown ----------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        cfg = self.config
+        if self._registered:
+            # Leave first: the conductor stops planning fetches from this node.
+            with contextlib.suppress(Exception):
+                await self.registry.deregister("store", cfg.node_id)
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for link in (self.conductor, self.transfer, self.peers):
+            if link is not None:
+                with contextlib.suppress(Exception):
+                    await link.close()
+        await self.registry.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.tiered is not None:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.tiered.close)
+        self.executor.shutdown(wait=True)
+        logger.info("store %s stopped", cfg.node_id)

@@ -1,0 +1,169 @@
+"""Transfer gRPC servicer: proto <-> domain translation only (the work is in `mover`)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
+from quillcache_core.errors import InvalidArgument, NotFound, QuillCacheError
+from quillcache_core.model import CacheTier
+from quillcache_core.registry import NodeRegistry
+from quillcache_core.rpc import status_for
+from quillcache_store import wire
+from quillcache_store.client import StoreClient
+from quillcache_transfer.config import TransferConfig
+from quillcache_transfer.mover import Progress, TransferOptions, TransferStats, run_transfer
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name
+MIN_CHUNK_BYTES = 16 * 1024
+MAX_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def stream_errors(method: Callable):
+    """Domain errors of a server-streaming handler become status codes (as unary_errors)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except QuillCacheError as exc:
+            await context.abort(status_for(exc), str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            logger.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: internal error")
+
+    return wrapper
+
+
+def progress_to_proto(p: Progress) -> transfer_pb2.TransferProgress:
+    return transfer_pb2.TransferProgress(
+        blocks_done=p.blocks_done,
+        blocks_total=p.blocks_total,
+        bytes_done=p.bytes_done,
+        bytes_per_s=p.bytes_per_s,
+        results=[
+            transfer_pb2.BlockResult(
+                key=wire.key_to_proto(o.key),
+                ok=o.ok,
+                error=o.error,
+                bytes=o.bytes,
+                skipped=o.skipped,
+                code=o.code,
+            )
+            for o in p.results
+        ],
+        finished=p.finished,
+        blocks_failed=p.blocks_failed,
+        blocks_skipped=p.blocks_skipped,
+        elapsed_s=p.elapsed_s,
+    )
+
+
+class TransferServicer(transfer_pb2_grpc.TransferServicer):
+    def __init__(self, config: TransferConfig, registry: NodeRegistry, stats: TransferStats):
+        self.config = config
+        self.registry = registry
+        self.stats = stats
+        self._clients: dict[str, StoreClient] = {}
+        self.requests: dict[str, int] = {}
+
+    async def _store(self, node_id: str) -> StoreClient:
+        record = await self.registry.get("store", node_id)
+        if record is None or not record.address:
+            raise NotFound(f"store node {node_id!r} is not registered")
+        client = self._clients.get(record.address)
+        if client is None:
+            client = StoreClient(
+                record.address,
+                timeout_s=self.config.block_timeout_s,
+                chunk_bytes=self.config.chunk_bytes,
+                retries=self.config.retries,
+                backoff_s=self.config.backoff_s,
+            )
+            self._clients[record.address] = client
+        return client
+
+    async def close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
+
+    async def _run(self, mode: str, request, context):
+        cfg = self.config
+        if not request.source_node or not request.destination_node:
+            raise InvalidArgument("source_node and destination_node are required")
+        if request.source_node == request.destination_node:
+            raise InvalidArgument("source_node and destination_node are the same node")
+        if not request.keys:
+            raise InvalidArgument("keys is empty: nothing to transfer")
+        keys = [wire.key_from_proto(k, f"keys[{i}]") for i, k in enumerate(request.keys)]
+        if mode == "prefetch":
+            tier = CacheTier.CPU_DRAM
+        elif request.destination_tier == 0:
+            tier = CacheTier.CPU_DRAM
+        else:
+            tier = wire.tier_from_proto(request.destination_tier)
+            if tier not in (CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD):
+                raise InvalidArgument("destination_tier must be TIER_CPU_DRAM or TIER_LOCAL_SSD")
+        window = request.window or cfg.default_window
+        if window > cfg.max_window:
+            raise InvalidArgument(f"window {window} exceeds the maximum of {cfg.max_window}")
+        chunk = request.chunk_bytes or cfg.chunk_bytes
+        if not MIN_CHUNK_BYTES <= chunk <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(
+                f"chunk_bytes must be in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, got {chunk}"
+            )
+        source = await self._store(request.source_node)
+        destination = await self._store(request.destination_node)
+        opts = TransferOptions(
+            window=window,
+            chunk_bytes=chunk,
+            tier=tier,
+            durable=request.durable and mode != "prefetch",
+            retries=cfg.retries,
+            backoff_s=cfg.backoff_s,
+            block_timeout_s=cfg.block_timeout_s,
+            progress_every=cfg.progress_every_blocks,
+            progress_interval_s=cfg.progress_interval_s,
+        )
+        self.requests[mode] = self.requests.get(mode, 0) + 1
+        names = (request.source_node, request.destination_node)
+        logger.debug("%s of %d blocks %s -> %s", mode, len(keys), *names)
+        async for progress in run_transfer(
+            mode, source, destination, names, keys, opts, self.stats
+        ):
+            if progress.finished:
+                logger.info(
+                    "%s %s -> %s: %d blocks, %d failed, %d skipped, %.1f MB/s",
+                    mode,
+                    *names,
+                    progress.blocks_total,
+                    progress.blocks_failed,
+                    progress.blocks_skipped,
+                    progress.bytes_per_s / 1e6,
+                )
+            yield progress_to_proto(progress)
+
+    @stream_errors
+    async def Copy(self, request, context):
+        async for message in self._run("copy", request, context):
+            yield message
+
+    @stream_errors
+    async def Move(self, request, context):
+        async for message in self._run("move", request, context):
+            yield message
+
+    @stream_errors
+    async def Prefetch(self, request, context):
+        async for message in self._run("prefetch", request, context):
+            yield message

@@ -1,0 +1,192 @@
+"""A store node's pieces without processes: PooledStore reads and the residency reporter."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from quillcache.v1 import conductor_pb2
+from quillcache_core.errors import NodeUnavailable, NotFound
+from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_store.dram import DramTier
+from quillcache_store.pooled import PeerLocation, PooledStore
+from quillcache_store.reporter import ResidencyReporter, event_to_proto
+from quillcache_store.ssd import SsdTier
+from quillcache_store.tiers import REMOVED, STORED, TieredStore, TierEvent
+
+pytestmark = pytest.mark.unit
+
+MIB = 1024 * 1024
+
+
+def key(i: int, tenant: str = "acme") -> KvBlockKey:
+    return KvBlockKey("m", "t", None, tenant, "root" if i == 0 else f"h{i - 1}", f"h{i}", i, 16)
+
+
+@pytest.fixture
+def tiered(tmp_path):
+    events: list[TierEvent] = []
+    store = TieredStore(DramTier(8 * MIB), SsdTier(tmp_path / "ssd", 32 * MIB), events.append)
+    store.events = events
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def executor():
+    with ThreadPoolExecutor(2) as pool:
+        yield pool
+
+
+def test_local_reads_pin_dram_and_verify(tiered, executor):
+    data = bytes(range(256)) * 4096  # 1 MiB
+    tiered.put(key(0), data)
+    pooled = PooledStore("n1", tiered, executor)
+
+    async def scenario():
+        block = await pooled.read(key(0))
+        try:
+            assert bytes(block.payload) == data and block.tier is CacheTier.CPU_DRAM
+            assert block.served_from == "n1"
+        finally:
+            block.release()
+        with pytest.raises(NotFound):
+            await pooled.read(key(1))
+        with pytest.raises(NotFound):
+            await pooled.read(key(0, tenant="globex"))
+
+    asyncio.run(scenario())
+    assert (pooled.hits, pooled.misses) == (1, 2)
+
+
+def test_a_corrupt_dram_copy_is_never_served(tiered, executor):
+    data = b"k" * (2 * MIB)
+    tiered.put(key(0), data, durable=True)  # DRAM and SSD
+    entry = tiered.dram._lru[key(0)]  # flip a bit in the pooled buffer itself
+    entry.buf[100] ^= 1
+    pooled = PooledStore("n1", tiered, executor)
+
+    async def scenario():
+        block = await pooled.read(key(0))
+        return bytes(block.payload), block.tier
+
+    got, tier = asyncio.run(scenario())
+    assert got == data and tier is CacheTier.LOCAL_SSD  # fell through to the SSD copy
+    assert tiered.stats()["corrupt"] == 1
+    assert TierEvent(REMOVED, key(0), CacheTier.CPU_DRAM, len(data)) in tiered.events
+
+
+def test_peer_fetch_prefers_dram_falls_back_to_direct_and_runs_once_per_block(tiered, executor):
+    data = b"p" * MIB
+    calls: dict[str, list] = {"locate": [], "copy": [], "fetch": []}
+
+    async def locate(k):
+        calls["locate"].append(k)
+        await asyncio.sleep(0.01)  # let concurrent readers pile up
+        return [
+            PeerLocation("n1", "self:1", CacheTier.CPU_DRAM),  # this node: skipped
+            PeerLocation("n3", "h3:1", CacheTier.LOCAL_SSD),
+            PeerLocation("n2", "h2:1", CacheTier.CPU_DRAM),
+        ]
+
+    async def copy_here(peer, k):
+        calls["copy"].append(peer.node_id)
+        raise NodeUnavailable("transfer service down")
+
+    async def fetch(peer, k):
+        calls["fetch"].append(peer.node_id)
+        if peer.node_id == "n2" or k == key(6):
+            raise NotFound("evicted meanwhile")
+        return data
+
+    pooled = PooledStore("n1", tiered, executor, locate=locate, copy_here=copy_here, fetch=fetch)
+
+    async def scenario():
+        blocks = await asyncio.gather(*(pooled.read(key(5), allow_remote=True) for _ in range(3)))
+        return [(bytes(b.payload), b.served_from) for b in blocks]
+
+    served = asyncio.run(scenario())
+    assert served == [(data, "n3")] * 3
+    assert len(calls["locate"]) == 1
+    assert calls["copy"] == ["n2", "n3"] and calls["fetch"] == ["n2", "n3"]
+    assert pooled.peer_fetches == 1 and tiered.locate(key(5)) is CacheTier.CPU_DRAM
+
+    async def nowhere():
+        with pytest.raises(NotFound, match="no peer served it"):
+            await pooled.read(key(6), allow_remote=True)
+
+    calls["fetch"].clear()
+    asyncio.run(nowhere())
+
+
+def _stored(i: int) -> TierEvent:
+    return TierEvent(STORED, key(i), CacheTier.CPU_DRAM, 100)
+
+
+def test_reporter_resyncs_first_then_sends_in_order_and_retries():
+    sent: list[conductor_pb2.KvEventBatch] = []
+    failures = [2]
+
+    async def send(batch):
+        if failures[0]:
+            failures[0] -= 1
+            raise NodeUnavailable("conductor down")
+        sent.append(batch)
+
+    reporter = ResidencyReporter("n1", send, lambda: [_stored(0)], max_batch=2)
+
+    async def scenario():
+        task = asyncio.create_task(reporter.run())
+        for i in range(1, 6):
+            reporter.offer(_stored(i))
+        reporter.offer(TierEvent(REMOVED, key(1), CacheTier.CPU_DRAM, 100))
+        while reporter.pending or reporter.events_sent < 6:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    kinds = [e.WhichOneof("event") for b in sent for e in b.events]
+    assert kinds[0] == "cleared" and kinds[1] == "stored"  # the snapshot comes first
+    hashes = [e.stored.block_hashes[0] for b in sent[2:] for e in b.events if e.HasField("stored")]
+    assert hashes == [f"h{i}" for i in range(1, 6)]
+    assert kinds[-1] == "removed"
+    assert all(b.source_kind == "store" and b.engine_id == "n1" for b in sent)
+    assert [b.sequence for b in sent] == sorted(b.sequence for b in sent)
+    assert reporter.send_failures == 2
+    assert all(len(b.events) <= 2 for b in sent)
+
+
+def test_reporter_overflow_drops_the_queue_and_resyncs():
+    held = [_stored(0), _stored(1)]
+    sent: list[conductor_pb2.KvEventBatch] = []
+
+    async def send(batch):
+        sent.append(batch)
+
+    reporter = ResidencyReporter("n1", send, lambda: list(held), max_queue=3)
+    for i in range(10):  # no loop yet: nothing is sent, the queue overflows
+        reporter.offer(_stored(i))
+    assert reporter.events_dropped > 0 and reporter.pending <= 3
+
+    async def scenario():
+        task = asyncio.create_task(reporter.run())
+        while reporter.pending or reporter.resyncs == 0 or not sent:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert sent[0].events[0].WhichOneof("event") == "cleared"
+
+
+def test_event_proto_carries_the_key():
+    k = KvBlockKey("m", "t", "lora", "acme", "h1", "h2", 2, 16)
+    stored = event_to_proto(TierEvent(STORED, k, CacheTier.LOCAL_SSD, 7)).stored
+    assert list(stored.block_hashes) == ["h2"] and stored.parent_block_hash == "h1"
+    assert stored.first_block_index == 2 and stored.block_size == 16
+    assert stored.medium == "local_ssd" and stored.bytes_per_block == 7
+    assert stored.identity.adapter_id == "lora" and stored.identity.tenant_id == "acme"
+    removed = event_to_proto(TierEvent(REMOVED, k, CacheTier.CPU_DRAM, 7)).removed
+    assert list(removed.block_hashes) == ["h2"] and removed.medium == "cpu_dram"
