@@ -109,8 +109,15 @@ class LocalCluster:
         conductor = self._run(
             "conductor",
             "conductor",
-            [*registry, "--policy", self.policy, "--index-backend", "lmdb",
-             "--index-path", str(self.data_dir / "conductor-index")],
+            [
+                *registry,
+                "--policy",
+                self.policy,
+                "--index-backend",
+                "lmdb",
+                "--index-path",
+                str(self.data_dir / "conductor-index"),
+            ],
             timeout_s,
         )
         stores = []
@@ -119,11 +126,21 @@ class LocalCluster:
                 self._run(
                     f"store-{i}",
                     "store",
-                    [*registry, "--node-id", f"store-{i}", "--locality-domain", f"rack-{i % 2}",
-                     "--data-dir", str(self.data_dir / f"store-{i}"),
-                     "--dram-capacity-bytes", str(self.dram_capacity_bytes),
-                     "--ssd-capacity-bytes", str(self.ssd_capacity_bytes),
-                     "--conductor", conductor.fields["grpc"]],
+                    [
+                        *registry,
+                        "--node-id",
+                        f"store-{i}",
+                        "--locality-domain",
+                        f"rack-{i % 2}",
+                        "--data-dir",
+                        str(self.data_dir / f"store-{i}"),
+                        "--dram-capacity-bytes",
+                        str(self.dram_capacity_bytes),
+                        "--ssd-capacity-bytes",
+                        str(self.ssd_capacity_bytes),
+                        "--conductor",
+                        conductor.fields["grpc"],
+                    ],
                     timeout_s,
                 )
             )
@@ -135,16 +152,32 @@ class LocalCluster:
                 self._run(
                     f"engine-{i}",
                     "sim-engine",
-                    [*registry, "--node-id", f"engine-{i}", "--model", self.model,
-                     "--locality-domain", f"rack-{(i % len(stores)) % 2}",
-                     "--hbm-blocks", str(self.hbm_blocks), "--time-scale", str(self.time_scale),
-                     "--store", store.fields["grpc"], "--store-node-id", store.name],
+                    [
+                        *registry,
+                        "--node-id",
+                        f"engine-{i}",
+                        "--model",
+                        self.model,
+                        "--locality-domain",
+                        f"rack-{(i % len(stores)) % 2}",
+                        "--hbm-blocks",
+                        str(self.hbm_blocks),
+                        "--time-scale",
+                        str(self.time_scale),
+                        "--store",
+                        store.fields["grpc"],
+                        "--store-node-id",
+                        store.name,
+                    ],
                     timeout_s,
                 )
             )
         keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
         gateway = self._run(
-            "gateway", "gateway", ["--conductor", conductor.fields["grpc"], "--api-keys", keys], timeout_s
+            "gateway",
+            "gateway",
+            ["--conductor", conductor.fields["grpc"], "--api-keys", keys],
+            timeout_s,
         )
         self._wait_engines_visible(conductor.fields["grpc"], len(engines), timeout_s)
         return {
@@ -166,11 +199,18 @@ class LocalCluster:
 
     def _run(self, name: str, service: str, args: list[str], timeout_s: float) -> Child:
         args = [*args, *self.extra_args.get(service, [])]
-        child = Child(name, service, [sys.executable, "-m", "quillcache_core.cli", service, *args],
-                      self.data_dir / "logs" / f"{name}.log")
+        child = Child(
+            name,
+            service,
+            [sys.executable, "-m", "quillcache_core.cli", service, *args],
+            self.data_dir / "logs" / f"{name}.log",
+        )
         with open(child.log_path, "ab") as log:
             child.proc = subprocess.Popen(
-                child.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.children.append(child)
@@ -178,12 +218,16 @@ class LocalCluster:
         while not self._read_ready(child):
             self._check_alive(child)
             if time.monotonic() > deadline:
-                raise ClusterError(f"{name} printed no READY line in {timeout_s:.0f}s:\n{child.log_tail()}")
+                raise ClusterError(
+                    f"{name} printed no READY line in {timeout_s:.0f}s:\n{child.log_tail()}"
+                )
             time.sleep(0.05)
         while not self._healthy(child):
             self._check_alive(child)
             if time.monotonic() > deadline:
-                raise ClusterError(f"{name} is not healthy after {timeout_s:.0f}s:\n{child.log_tail()}")
+                raise ClusterError(
+                    f"{name} is not healthy after {timeout_s:.0f}s:\n{child.log_tail()}"
+                )
             time.sleep(0.05)
         shown = child.fields.get("http") or child.fields.get("grpc")
         self.log(f"{name:<10} {shown}")
@@ -239,7 +283,9 @@ class LocalCluster:
                     if len(stats.engines) >= count:
                         return
                 if time.monotonic() > deadline:
-                    raise ClusterError(f"the conductor does not see {count} engines after {timeout_s:.0f}s")
+                    raise ClusterError(
+                        f"the conductor does not see {count} engines after {timeout_s:.0f}s"
+                    )
                 time.sleep(0.05)
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -264,18 +310,33 @@ class LocalCluster:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quillcache up", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-dir", default="", help="where logs, etcd, SSD tiers and the index live "
-                        "(default: a new temp dir, removed on exit)")
+    parser = argparse.ArgumentParser(
+        prog="quillcache up",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--data-dir",
+        default="",
+        help="where logs, etcd, SSD tiers and the index live "
+        "(default: a new temp dir, removed on exit)",
+    )
     parser.add_argument("--endpoints-file", default="", help="write the endpoints as JSON here")
     parser.add_argument("--engines", type=int, default=2, help="sim engines")
     parser.add_argument("--stores", type=int, default=2, help="store nodes")
-    parser.add_argument("--hbm-blocks", type=int, default=4096, help="KV blocks each sim engine's GPU holds")
-    parser.add_argument("--time-scale", type=float, default=0.02,
-                        help="sim engines' compute time multiplier (1.0 = the cost model's real time)")
+    parser.add_argument(
+        "--hbm-blocks", type=int, default=4096, help="KV blocks each sim engine's GPU holds"
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.02,
+        help="sim engines' compute time multiplier (1.0 = the cost model's real time)",
+    )
     parser.add_argument("--policy", default="quillcache", help="the conductor's routing policy")
-    parser.add_argument("--lease-ttl-s", type=float, default=3.0, help="registry lease TTL of every node")
+    parser.add_argument(
+        "--lease-ttl-s", type=float, default=3.0, help="registry lease TTL of every node"
+    )
     return parser
 
 
@@ -285,10 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with contextlib.ExitStack() as stack:
-        data_dir = args.data_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="quillcache-"))
+        data_dir = args.data_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="quillcache-")
+        )
         cluster = LocalCluster(
-            Path(data_dir), engines=args.engines, stores=args.stores, hbm_blocks=args.hbm_blocks,
-            time_scale=args.time_scale, policy=args.policy, lease_ttl_s=args.lease_ttl_s,
+            Path(data_dir),
+            engines=args.engines,
+            stores=args.stores,
+            hbm_blocks=args.hbm_blocks,
+            time_scale=args.time_scale,
+            policy=args.policy,
+            lease_ttl_s=args.lease_ttl_s,
         )
         print(f"starting the local cluster in {data_dir}", flush=True)
         try:
@@ -305,15 +373,19 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"\ntry:  curl -N {endpoints['gateway_url']}/v1/chat/completions "
                 f"-H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-                "-d '{\"model\": \"sim-model\", \"stream\": true, \"messages\": "
-                "[{\"role\": \"user\", \"content\": \"Hello\"}]}'",
+                '-d \'{"model": "sim-model", "stream": true, "messages": '
+                '[{"role": "user", "content": "Hello"}]}\'',
                 flush=True,
             )
             print("Ctrl-C stops everything.", flush=True)
             while not stop.wait(1.0):
                 for child in cluster.dead_children():
-                    print(f"warning: {child.name} exited (code {child.proc.returncode}); "
-                          f"log: {child.log_path}", file=sys.stderr, flush=True)
+                    print(
+                        f"warning: {child.name} exited (code {child.proc.returncode}); "
+                        f"log: {child.log_path}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     cluster.children.remove(child)
         finally:
             print("stopping...", flush=True)

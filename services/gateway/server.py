@@ -503,16 +503,21 @@ class Gateway:
             first = keys[0]
             request.identity.CopyFrom(
                 common_pb2.Identity(
-                    model_id=first.model_id, tokenizer_id=first.tokenizer_id, tenant_id=first.tenant_id
+                    model_id=first.model_id,
+                    tokenizer_id=first.tokenizer_id,
+                    tenant_id=first.tenant_id,
                 )
             )
             request.observe_blocks.extend(
-                common_pb2.BlockRef(block_hash=k.block_hash, token_count=k.token_count) for k in keys
+                common_pb2.BlockRef(block_hash=k.block_hash, token_count=k.token_count)
+                for k in keys
             )
         try:
             await self.conductor.Finish(request, timeout=self.config.plan_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            logger.warning("finish of %s failed: %s %s", plan.reservation_id, exc.code().name, exc.details())
+            logger.warning(
+                "finish of %s failed: %s %s", plan.reservation_id, exc.code().name, exc.details()
+            )
 
 
 def _error_event(tail: bytes, engine_id: str) -> bytes:

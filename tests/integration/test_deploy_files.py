@@ -70,8 +70,11 @@ def tool(name: str) -> str:
 
 
 def kustomize_command() -> list[str] | None:
-    for kubectl in (os.environ.get("KUBECTL"), shutil.which("kubectl"),
-                    str(VENV / "deploy-tools" / "usr" / "bin" / "kubectl")):
+    for kubectl in (
+        os.environ.get("KUBECTL"),
+        shutil.which("kubectl"),
+        str(VENV / "deploy-tools" / "usr" / "bin" / "kubectl"),
+    ):
         if kubectl and os.access(kubectl, os.X_OK):
             probe = subprocess.run([kubectl, "kustomize", "--help"], capture_output=True)
             if probe.returncode == 0:
@@ -86,7 +89,10 @@ def flag_envs(command: str) -> frozenset[str]:
     """The QC_* variables `quillcache <command>` reads, from its --help."""
     out = subprocess.run(
         [sys.executable, "-m", "quillcache_core.cli", command, "--help"],
-        capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "1000"},
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "1000"},
     ).stdout
     names = frozenset(re.findall(r"\[env\s+(QC_[A-Z0-9_]+)\]", out))
     assert names, f"no [env QC_*] entries in `quillcache {command} --help`"
@@ -115,7 +121,9 @@ def compose_env(service: dict) -> dict[str, str]:
 def run_check_deploy(root: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(root / "scripts" / "check_deploy.sh")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "VENV": str(VENV), **env},
     )
 
@@ -133,8 +141,9 @@ def k8s_objects() -> list[dict]:
     """k8s/ rendered by kustomize (the kustomization's resources if there is none)."""
     command = kustomize_command()
     if command is not None:
-        text = subprocess.run([*command, str(K8S)], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            [*command, str(K8S)], capture_output=True, text=True, check=True
+        ).stdout
         return [doc for doc in yaml.safe_load_all(text) if doc]
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     docs = []
@@ -151,8 +160,7 @@ def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
 
 
 def workloads(objects: list[dict]) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o for o in objects
-            if o["kind"] in ("Deployment", "StatefulSet")}
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
 
 
 def containers(objects: list[dict]):
@@ -193,18 +201,39 @@ def test_check_deploy_script_passes() -> None:
 @pytest.mark.parametrize(
     ("path", "old", "new", "failure"),
     [
-        ("docker-compose.yml", "condition: service_healthy", "condition: service_ready",
-         "FAILED   compose-spec schema"),
-        ("docker-compose.yml", "    healthcheck: *http-healthcheck",
-         "    healtcheck: *http-healthcheck", "FAILED   compose-spec schema"),
-        ("k8s/store.yaml", "readinessProbe:", "readinesProbe:",
-         "FAILED   kubernetes-validate --strict"),
+        (
+            "docker-compose.yml",
+            "condition: service_healthy",
+            "condition: service_ready",
+            "FAILED   compose-spec schema",
+        ),
+        (
+            "docker-compose.yml",
+            "    healthcheck: *http-healthcheck",
+            "    healtcheck: *http-healthcheck",
+            "FAILED   compose-spec schema",
+        ),
+        (
+            "k8s/store.yaml",
+            "readinessProbe:",
+            "readinesProbe:",
+            "FAILED   kubernetes-validate --strict",
+        ),
         ("k8s/conductor.yaml", 'cpu: "2"', "cpu: [2]", "FAILED   kubernetes-validate --strict"),
-        ("k8s/kustomization.yaml", "  - gateway.yaml", "  - gateway.yaml\n  - missing.yaml",
-         "FAILED"),
+        (
+            "k8s/kustomization.yaml",
+            "  - gateway.yaml",
+            "  - gateway.yaml\n  - missing.yaml",
+            "FAILED",
+        ),
     ],
-    ids=["compose-condition", "compose-unknown-key", "k8s-unknown-field", "k8s-wrong-type",
-         "k8s-missing-resource"],
+    ids=[
+        "compose-condition",
+        "compose-unknown-key",
+        "k8s-unknown-field",
+        "k8s-wrong-type",
+        "k8s-missing-resource",
+    ],
 )
 def test_check_deploy_script_fails_on_broken_files(
     tmp_path: Path, path: str, old: str, new: str, failure: str
@@ -223,7 +252,8 @@ def test_check_deploy_script_fails_on_broken_files(
 def test_compose_file_validates_against_compose_spec() -> None:
     result = subprocess.run(
         [tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -268,10 +298,15 @@ def test_compose_depends_on_healthy_services() -> None:
         for target, spec in (service.get("depends_on") or {}).items():
             assert target in services, f"{name} depends on unknown {target}"
             assert spec["condition"] == "service_healthy", (name, target)
-    order = {"conductor": {"etcd"}, "store-0": {"conductor"}, "store-1": {"conductor"},
-             "transfer": {"store-0", "store-1"}, "engine-0": {"store-0", "conductor"},
-             "engine-1": {"store-1", "conductor"},
-             "gateway": {"conductor", "engine-0", "engine-1"}}
+    order = {
+        "conductor": {"etcd"},
+        "store-0": {"conductor"},
+        "store-1": {"conductor"},
+        "transfer": {"store-0", "store-1"},
+        "engine-0": {"store-0", "conductor"},
+        "engine-1": {"store-1", "conductor"},
+        "gateway": {"conductor", "engine-0", "engine-1"},
+    }
     for name, needs in order.items():
         assert needs <= set(services[name]["depends_on"]), name
 
@@ -368,11 +403,13 @@ def test_compose_grpc_healthcheck_runs_against_a_real_conductor(tmp_path: Path) 
         except ProcessFailed:
             pytest.fail(f"conductor did not start:\n{conductor.log_tail()}")
         port = conductor.grpc_address.rsplit(":", 1)[1]
-        ok = subprocess.run(check, capture_output=True, text=True, timeout=30,
-                            env={**os.environ, "QC_PORT": port})
+        ok = subprocess.run(
+            check, capture_output=True, text=True, timeout=30, env={**os.environ, "QC_PORT": port}
+        )
         assert ok.returncode == 0, ok.stderr
-    down = subprocess.run(check, capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "QC_PORT": port})
+    down = subprocess.run(
+        check, capture_output=True, text=True, timeout=30, env={**os.environ, "QC_PORT": port}
+    )
     assert down.returncode != 0, "the healthcheck passed with the conductor stopped"
 
 
@@ -390,18 +427,26 @@ def test_compose_http_healthcheck_runs_against_a_real_sim_engine(tmp_path: Path)
         except ProcessFailed:
             pytest.fail(f"sim engine did not start:\n{engine.log_tail()}")
         port = engine.fields["http"].rsplit(":", 1)[1]
-        ok = subprocess.run(check, capture_output=True, text=True, timeout=30,
-                            env={**os.environ, "QC_PORT": port})
+        ok = subprocess.run(
+            check, capture_output=True, text=True, timeout=30, env={**os.environ, "QC_PORT": port}
+        )
         assert ok.returncode == 0, ok.stderr
 
 
 def test_compose_etcd_healthcheck_runs_against_a_real_etcd(etcd_server) -> None:
     test = load_compose()["services"]["etcd"]["healthcheck"]["test"]
     assert test[:2] == ["CMD", "etcdctl"]
-    args = [a if not a.startswith("--endpoints=") else f"--endpoints={etcd_server.client_url}"
-            for a in test[2:]]
-    result = subprocess.run([find_etcd_binary("etcdctl"), *args], capture_output=True,
-                            text=True, timeout=30, env={**os.environ, "ETCDCTL_API": "3"})
+    args = [
+        a if not a.startswith("--endpoints=") else f"--endpoints={etcd_server.client_url}"
+        for a in test[2:]
+    ]
+    result = subprocess.run(
+        [find_etcd_binary("etcdctl"), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "ETCDCTL_API": "3"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -425,8 +470,9 @@ def test_k8s_has_the_local_cluster_layout(k8s_objects: list[dict]) -> None:
         assert sts["spec"]["volumeClaimTemplates"], name
         governing = services[sts["spec"]["serviceName"]]
         assert governing["spec"]["clusterIP"] == "None", f"{name}: headless Service"
-    assert statefulsets["store"]["spec"]["replicas"] >= statefulsets["sim-engine"]["spec"][
-        "replicas"], "sim engine N offloads to store N"
+    assert (
+        statefulsets["store"]["spec"]["replicas"] >= statefulsets["sim-engine"]["spec"]["replicas"]
+    ), "sim engine N offloads to store N"
     secrets = by_kind(k8s_objects, "Secret")
     keys = secrets["quillcache-api-keys"]["stringData"]["QC_API_KEYS"]
     assert {pair.split("=")[0] for pair in keys.split(",")} == {"acme", "globex"}
@@ -571,16 +617,22 @@ def _dockerfile_instructions() -> list[tuple[str, str]]:
 def test_dockerfile_installs_the_project_as_a_non_root_user() -> None:
     instructions = _dockerfile_instructions()
     args = dict(rest.split("=", 1) for kw, rest in instructions if kw == "ARG" and "=" in rest)
-    bases = [rest.split()[0].replace("${PYTHON_IMAGE}", args.get("PYTHON_IMAGE", ""))
-             for kw, rest in instructions if kw == "FROM"]
+    bases = [
+        rest.split()[0].replace("${PYTHON_IMAGE}", args.get("PYTHON_IMAGE", ""))
+        for kw, rest in instructions
+        if kw == "FROM"
+    ]
     assert bases and all(base == "python:3.11-slim" for base in bases), bases
     assert any(kw == "RUN" and "pip install ." in rest for kw, rest in instructions)
     users = [rest for kw, rest in instructions if kw == "USER"]
     assert users and users[-1].split(":")[0] == str(IMAGE_UID)
     assert ("ENTRYPOINT", '["quillcache"]') in instructions
     # Every source `pip install .` needs is copied, and none is excluded by .dockerignore.
-    ignored = {line.strip().strip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip().strip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     copied = set()
     for kw, rest in instructions:
         if kw == "COPY" and not rest.startswith("--from"):
@@ -602,8 +654,10 @@ def test_image_builds_and_serves_with_docker() -> None:
     try:
         docker.from_env().ping()
     except Exception as exc:  # noqa: BLE001 - any failure means no engine to talk to
-        pytest.skip(f"no Docker engine reachable ({type(exc).__name__}): the image build "
-                    "and a container run are not tested on this machine")
+        pytest.skip(
+            f"no Docker engine reachable ({type(exc).__name__}): the image build "
+            "and a container run are not tested on this machine"
+        )
     from testcontainers.core.container import DockerContainer
     from testcontainers.core.image import DockerImage
     from testcontainers.core.wait_strategies import LogMessageWaitStrategy

@@ -328,9 +328,7 @@ class FleetSim:
             )
             self.engines.append(_Engine(i, state, store, HbmCache(config.hbm_blocks)))
         self.engine_by_id = {e.state.id: e for e in self.engines}
-        self.fleet = Fleet(
-            [e.state for e in self.engines], {s.id: s.domain for s in store_list}
-        )
+        self.fleet = Fleet([e.state for e in self.engines], {s.id: s.domain for s in store_list})
         self.decode_slowdown_us = self.cm.running_decode_penalty_us / config.decode_slowdown_divisor
 
         n = len(requests)

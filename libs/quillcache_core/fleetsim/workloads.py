@@ -159,9 +159,7 @@ def make_workload(
         raise InvalidArgument(f"n_requests must be positive, got {n_requests}")
     builder = _BUILDERS.get(name)
     if builder is None:
-        raise InvalidArgument(
-            f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}"
-        )
+        raise InvalidArgument(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
     rng = np.random.default_rng([seed, WORKLOAD_NAMES.index(name)])
     chains = _Chains(block_size)
     out: list[SimRequest] = []
