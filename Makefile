@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The local cluster on loopback; Ctrl-C stops it. The endpoints also go to .quillcache-endpoints.json.
 run: install
-	$(VENV)/bin/quillcache demo
+	$(VENV)/bin/quillcache up --endpoints-file .quillcache-endpoints.json
 
 lint: install deploy-check
 	$(VENV)/bin/ruff check .

@@ -55,6 +55,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_core.bench_planner",
         "planner latency per policy and index put/locate rates at 1M resident blocks",
     ),
+    "bench": (
+        "quillcache_core.fleetsim.command",
+        "our planner vs Dynamo, llm-d, SGLang, round robin, least-loaded on a simulated fleet",
+    ),
 }
 
 

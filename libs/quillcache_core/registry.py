@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import math
+import socket
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -429,6 +430,28 @@ def _normalize_endpoint(item: str) -> str:
     return ep
 
 
+async def _resolve_ipv4(endpoints: list[str]) -> list[str]:
+    """host:port endpoints with each host name replaced by its first IPv4 address."""
+    loop = asyncio.get_running_loop()
+    out = []
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        try:
+            socket.inet_aton(host)
+            out.append(endpoint)
+            continue
+        except OSError:
+            pass
+        try:
+            infos = await loop.getaddrinfo(
+                host, int(port), family=socket.AF_INET, type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            raise NodeUnavailable(f"cannot resolve etcd host {host!r}: {exc}") from None
+        out.append(f"{infos[0][4][0]}:{port}")
+    return out
+
+
 @dataclass
 class _Registration:
     record: NodeRecord
@@ -499,7 +522,9 @@ class EtcdRegistry(NodeRegistry):
         if self._closed:
             raise NodeUnavailable("registry is closed")
         if self._client is None:
-            client = Etcd3Client(self._endpoints)
+            # etcd3aio dials "ipv4:host:port", which takes addresses only: resolve names
+            # (docker compose service names, k8s DNS) here.
+            client = Etcd3Client(await _resolve_ipv4(self._endpoints))
             _tune_reconnect(client)
             # connect() only builds the channel (no await inside), so no lock is needed.
             await client.connect()

@@ -14,6 +14,7 @@ class ConductorConfig:
     host: str = opt("127.0.0.1", "address to bind the gRPC and metrics ports on")
     port: int = opt(0, "gRPC port (0 = a free port, printed on the READY line)")
     metrics_port: int = opt(0, "HTTP port for /metrics and /health (0 = a free port)")
+    advertise_host: str = opt("", "host other nodes use to reach this conductor ('' = --host)")
     node_id: str = opt("conductor-0", "this conductor's id in the registry")
     registry: str = opt(
         "memory", "NodeRegistry: 'memory' or an etcd URL such as http://127.0.0.1:2379"

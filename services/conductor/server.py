@@ -132,7 +132,7 @@ class ConductorServer:
             NodeRecord(
                 kind="conductor",
                 id=cfg.node_id,
-                address=f"{cfg.host}:{self.grpc_port}",
+                address=f"{cfg.advertise_host or cfg.host}:{self.grpc_port}",
                 locality_domain="",
                 start_time_s=time.time(),
             ),

@@ -146,8 +146,11 @@ class HbmCache:
             self.overcommits += 1
         return inserted, evicted
 
-    def release(self, keys: Sequence) -> None:
-        """Unpin `keys`; freed blocks join the LRU tail last block first (evicted first)."""
+    def release(self, keys: Sequence) -> list:
+        """Unpin `keys`; freed blocks join the LRU tail last block first (evicted first).
+
+        Returns the blocks evicted because the cache had run over capacity.
+        """
         refs, free = self.refs, self.free
         for key in reversed(keys):
             h = key.block_hash
@@ -156,6 +159,12 @@ class HbmCache:
             if r == 0:
                 free[h] = key
                 self.pinned -= 1
+        evicted = []
+        while len(refs) > self.capacity and free:
+            h, key = free.popitem(last=False)
+            del refs[h]
+            evicted.append(key)
+        return evicted
 
 
 class StoreNode:
@@ -294,6 +303,11 @@ class FleetSim:
             raise InvalidArgument("one arrival time per request is needed")
         if not requests:
             raise InvalidArgument("a run needs at least one request")
+        longest = max(len(r.shape.blocks) for r in requests)
+        if longest > config.hbm_blocks:
+            raise InvalidArgument(
+                f"a prompt of {longest} blocks does not fit --hbm-blocks {config.hbm_blocks}"
+            )
         self.config = config
         self.policy = policy
         self.requests = requests
@@ -461,9 +475,7 @@ class FleetSim:
         index, nbytes, me = self.index, self.nbytes, state.id
         for key in inserted:
             index.put(CacheResidency(key, me, _HBM, nbytes))
-        for key in evicted:
-            index.remove_tier(me, key.block_hash, _HBM)
-            eng.store.offload(key)
+        self._evicted(eng, evicted)
         state.resident_blocks = len(eng.hbm)
         state.hbm_used_bytes = eng.hbm.pinned * nbytes
         remaining = self.requests[i].output_tokens - 1
@@ -511,7 +523,7 @@ class FleetSim:
         self.completed += 1
         eng.served += 1
         blocks = self.requests[i].shape.blocks
-        eng.hbm.release(blocks)
+        self._evicted(eng, eng.hbm.release(blocks))
         state = eng.state
         self._load_mark(eng, now)
         state.inflight_requests -= 1
@@ -519,6 +531,13 @@ class FleetSim:
         state.inflight_blocks -= len(blocks)
         state.hbm_used_bytes = eng.hbm.pinned * self.nbytes
         state.resident_blocks = len(eng.hbm)
+
+    def _evicted(self, eng: _Engine, keys: list) -> None:
+        """Tell the index the engine dropped `keys` and offload them to its store node."""
+        me = eng.state.id
+        for key in keys:
+            self.index.remove_tier(me, key.block_hash, _HBM)
+            eng.store.offload(key)
 
     def _load_mark(self, eng: _Engine, now: float) -> None:
         eng.load_area += eng.state.inflight_requests * (now - eng.load_t)
