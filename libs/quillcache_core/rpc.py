@@ -97,6 +97,25 @@ class _MethodAwarePool:
             return self._pool.FindFileContainingSymbol(parent)
 
 
+def stream_errors(method: Callable):
+    """`unary_errors` for server-streaming handlers (async generators)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except QuillCacheError as exc:
+            await context.abort(status_for(exc), str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            logger.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: internal error")
+
+    return wrapper
+
+
 def add_health_and_reflection(
     server: grpc.aio.Server, service_names: Iterable[str]
 ) -> health.aio.HealthServicer:

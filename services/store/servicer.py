@@ -24,7 +24,7 @@ import grpc
 from quillcache.v1 import store_pb2
 from quillcache_core.errors import CapacityExceeded, InvalidArgument, QuillCacheError
 from quillcache_core.model import CacheTier
-from quillcache_core.rpc import status_for, unary_errors
+from quillcache_core.rpc import stream_errors, unary_errors
 from quillcache_store import wire
 from quillcache_store.pooled import PooledStore
 from quillcache_store.tiers import TieredStore
@@ -53,25 +53,6 @@ class ByteBudget:
         async with self._cond:
             self.used -= nbytes
             self._cond.notify_all()
-
-
-def stream_errors(method: Callable):
-    """`unary_errors` for server-streaming handlers (async generators)."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        try:
-            async for item in method(self, request, context):
-                yield item
-        except QuillCacheError as exc:
-            await context.abort(status_for(exc), str(exc))
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            logger.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: internal error")
-
-    return wrapper
 
 
 def _lenient(decode):

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
-
-import grpc
 
 from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
-from quillcache_core.errors import InvalidArgument, NotFound, QuillCacheError
+from quillcache_core.errors import InvalidArgument, NotFound
 from quillcache_core.model import CacheTier
 from quillcache_core.registry import NodeRegistry
-from quillcache_core.rpc import status_for
+from quillcache_core.rpc import stream_errors
 from quillcache_store import wire
 from quillcache_store.client import StoreClient
 from quillcache_transfer.config import TransferConfig
@@ -23,25 +19,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name
 MIN_CHUNK_BYTES = 16 * 1024
 MAX_CHUNK_BYTES = 8 * 1024 * 1024
-
-
-def stream_errors(method: Callable):
-    """Domain errors of a server-streaming handler become status codes (as unary_errors)."""
-
-    @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        try:
-            async for item in method(self, request, context):
-                yield item
-        except QuillCacheError as exc:
-            await context.abort(status_for(exc), str(exc))
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            logger.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__}: internal error")
-
-    return wrapper
 
 
 def progress_to_proto(p: Progress) -> transfer_pb2.TransferProgress:
