@@ -117,6 +117,9 @@ class Policy(abc.ABC):
     """A routing policy: given the guard's usable residencies, choose an engine."""
 
     name: str = "abstract"
+    # Record a routed request's blocks on its engine at plan time (before the engine
+    # reports them), so the next request with that prefix follows it.
+    optimistic_residency: bool = False
 
     def __init__(self, cost_model: CostModel | None = None) -> None:
         self.cost_model = cost_model or CostModel()
@@ -308,6 +311,7 @@ class CostPlanner(Policy):
     """QuillCache's planner: the cost function above over every eligible engine."""
 
     name = "quillcache"
+    optimistic_residency = True
 
     def __init__(self, cost_model: CostModel | None = None, temperature: float = 0.0) -> None:
         super().__init__(cost_model)

@@ -212,9 +212,14 @@ class LlmdPolicy(_ReferencePolicy):
 
 
 class SglangCacheAwarePolicy(_ReferencePolicy):
-    """SGLang router cache_aware: a load switch, else longest prefix, else smallest tree."""
+    """SGLang router cache_aware: a load switch, else longest prefix, else smallest tree.
+
+    Its radix tree takes a request's text when it is routed, not when the engine
+    reports it: hence optimistic residency.
+    """
 
     name = "sglang"
+    optimistic_residency = True
 
     def __init__(
         self,

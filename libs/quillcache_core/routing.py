@@ -6,7 +6,7 @@ import random
 
 from quillcache_core.guard import audit_reuse
 from quillcache_core.index.base import IndexBackend
-from quillcache_core.model import RequestShape
+from quillcache_core.model import CacheResidency, CacheTier, RequestShape
 from quillcache_core.planner import Fleet, PlanDecision, Policy
 
 
@@ -26,3 +26,23 @@ def plan_request(
     decision = policy.plan(request, audit.usable, fleet, rng)
     decision.refusals = audit.refusals
     return decision
+
+
+def record_optimistic(
+    index: IndexBackend, decision: PlanDecision, request: RequestShape, nbytes: int
+) -> list[str]:
+    """Record the request's blocks in the chosen engine's HBM now, as the prefill will.
+
+    Returns the hashes newly recorded (not already in that engine's HBM), so a failed
+    request can take them back. Only for policies with `optimistic_residency`.
+    """
+    engine = decision.engine.id
+    hbm = CacheTier.HBM
+    new = []
+    for key, found in zip(
+        request.blocks, index.locate_hashes([k.block_hash for k in request.blocks]), strict=True
+    ):
+        if not any(r.worker_id == engine and r.tier is hbm for r in found):
+            new.append(key)
+    index.put_many(CacheResidency(key, engine, hbm, nbytes) for key in new)
+    return [key.block_hash for key in new]

@@ -23,6 +23,10 @@ class ConductorConfig:
     index_backend: str = opt("memory", "residency index backend", choices=("memory", "lmdb"))
     index_path: str = opt("", "directory of the lmdb index (required with --index-backend lmdb)")
     policy: str = opt("quillcache", "routing policy", choices=POLICY_NAMES)
+    seed_queue_cost: bool = opt(
+        False,
+        "price queued prefill tokens with the seed's 4 us/token instead of the prefill speed",
+    )
     temperature: float = opt(
         0.0, "softmax temperature of the quillcache/dynamo policies (0 = greedy)"
     )

@@ -32,7 +32,8 @@ class ConductorServer:
     def __init__(self, config: ConductorConfig) -> None:
         self.config = config
         self.index = open_index(config.index_backend, config.index_path or None)
-        policy = make_policy(config.policy, CostModel(), config.temperature)
+        cost_model = CostModel() if config.seed_queue_cost else CostModel().queue_at_prefill_speed()
+        policy = make_policy(config.policy, cost_model, config.temperature)
         self.state = ConductorState(
             self.index,
             policy,

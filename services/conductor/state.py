@@ -26,7 +26,7 @@ from quillcache_core.model import (
 )
 from quillcache_core.planner import Fleet, PlanDecision, Policy
 from quillcache_core.registry import NodeRecord
-from quillcache_core.routing import plan_request
+from quillcache_core.routing import plan_request, record_optimistic
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,8 @@ class Reservation:
     created_s: float
     expires_s: float
     prefill_released: bool = False
+    # Blocks recorded on the engine at plan time; taken back if the request fails.
+    optimistic: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -181,6 +183,8 @@ class ConductorState:
             created_s=now,
             expires_s=now + self.reservation_ttl_s,
         )
+        if self.policy.optimistic_residency:
+            res.optimistic = record_optimistic(self.index, decision, request, request.block_bytes)
         self.reservations[res.id] = res
         worker.inflight_requests += 1
         worker.running_decodes += 1
@@ -198,6 +202,8 @@ class ConductorState:
         if res is None:
             raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
         self._release(res)
+        if outcome != "success":
+            self._forget_optimistic(res)
         self.counters.finishes[outcome] += 1
         return res.engine_id
 
@@ -292,8 +298,14 @@ class ConductorState:
             res = self.reservations.pop(res_id, None)
             if res is not None:
                 self._release(res)
+                self._forget_optimistic(res)
                 self.counters.reservations_expired += 1
                 logger.info("reservation %s on %s expired without Finish", res.id, res.engine_id)
+
+    def _forget_optimistic(self, res: Reservation) -> None:
+        for block_hash in res.optimistic:
+            self.index.remove_tier(res.engine_id, block_hash, CacheTier.HBM)
+        res.optimistic = []
 
     def _release_prefill(self, res: Reservation) -> None:
         res.prefill_released = True

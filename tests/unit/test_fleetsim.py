@@ -22,16 +22,18 @@ pytestmark = pytest.mark.unit
 
 # Small enough to run in a second, small enough HBM that blocks are evicted, offloaded
 # and fetched back.
-TINY = FleetConfig(engines=4, stores=2, domains=2, hbm_blocks=512, dram_bytes=256 << 21,
-                   ssd_bytes=512 << 21)
+TINY = FleetConfig(
+    engines=4, stores=2, domains=2, hbm_blocks=512, dram_bytes=256 << 21, ssd_bytes=512 << 21
+)
 N = 60
 
 
 def _run(workload: str, policy: str, rate_x: float = 0.5, seed: int = 3, config=TINY):
     wl = make_workload(workload, N, seed)
     rate = rate_x * wl.saturation_rate(config.engines, config.cost_model)
-    sim = FleetSim(config, make_policy(policy, CostModel()), wl.requests,
-                   wl.arrivals_us(rate, seed), seed=seed)
+    sim = FleetSim(
+        config, make_policy(policy, CostModel()), wl.requests, wl.arrivals_us(rate, seed), seed=seed
+    )
     return sim, sim.run()
 
 
@@ -64,8 +66,9 @@ def test_every_request_completes_exactly_once_and_load_returns_to_zero(runs, wor
         assert np.all(run.arrival_us <= run.first_token_us)
         assert np.all(run.first_token_us <= run.done_us)
         assert np.all((run.engine_of >= 0) & (run.engine_of < TINY.engines))
-        np.testing.assert_array_equal(np.bincount(run.engine_of, minlength=TINY.engines),
-                                      run.served)
+        np.testing.assert_array_equal(
+            np.bincount(run.engine_of, minlength=TINY.engines), run.served
+        )
         assert all(value == 0 for value in run.leftover_load.values()), run.leftover_load
         for eng in sim.engines:
             assert eng.state.inflight_requests == 0
@@ -108,8 +111,16 @@ def test_same_seed_same_figures():
     for policy in ("quillcache", "sglang"):
         _, a = _run("chat", policy)
         _, b = _run("chat", policy)
-        for field in ("first_token_us", "done_us", "engine_of", "hit_tokens", "fetch_tokens",
-                      "recompute_tokens", "load_avg", "served"):
+        for field in (
+            "first_token_us",
+            "done_us",
+            "engine_of",
+            "hit_tokens",
+            "fetch_tokens",
+            "recompute_tokens",
+            "load_avg",
+            "served",
+        ):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
         fa, fb = summarise(a, 800), summarise(b, 800)
         for key in fa:
@@ -129,8 +140,15 @@ def test_workload_keys_are_request_blocks_of_the_prompt():
     earlier, later = turns[0].shape.blocks, turns[1].shape.blocks
     assert later[: len(earlier)] == earlier
     tokens = list(range(100, 100 + 50))
-    keys = request_blocks(tokens, 16, model_id=MODEL_ID, tokenizer_id=TOKENIZER_ID,
-                          adapter_id=None, tenant_id="t", cache_salt="t")
+    keys = request_blocks(
+        tokens,
+        16,
+        model_id=MODEL_ID,
+        tokenizer_id=TOKENIZER_ID,
+        adapter_id=None,
+        tenant_id="t",
+        cache_salt="t",
+    )
     from quillcache_core.fleetsim.workloads import _Chains
 
     chains = _Chains(16)
@@ -139,11 +157,25 @@ def test_workload_keys_are_request_blocks_of_the_prompt():
 
 
 def _request(seq: int, tenant: str, tokens: list[int], output: int = 1) -> SimRequest:
-    keys = request_blocks(tokens, 16, model_id=MODEL_ID, tokenizer_id=TOKENIZER_ID,
-                          adapter_id=None, tenant_id=tenant, cache_salt=tenant)
-    shape = RequestShape(id=f"r{seq}", model_id=MODEL_ID, tokenizer_id=TOKENIZER_ID,
-                         adapter_id=None, tenant_id=tenant, blocks=tuple(keys),
-                         estimated_decode_tokens=output, prompt_tokens=len(tokens))
+    keys = request_blocks(
+        tokens,
+        16,
+        model_id=MODEL_ID,
+        tokenizer_id=TOKENIZER_ID,
+        adapter_id=None,
+        tenant_id=tenant,
+        cache_salt=tenant,
+    )
+    shape = RequestShape(
+        id=f"r{seq}",
+        model_id=MODEL_ID,
+        tokenizer_id=TOKENIZER_ID,
+        adapter_id=None,
+        tenant_id=tenant,
+        blocks=tuple(keys),
+        estimated_decode_tokens=output,
+        prompt_tokens=len(tokens),
+    )
     return SimRequest(seq, tenant, "g", shape, output)
 
 

@@ -54,6 +54,10 @@ MODELLING_NOTES = [
     "Load: the router's in-flight count per engine (queued included), averaged over the "
     "run's span; goal uses max/mean across engines.",
     "Best reference: the best of every other policy in the run.",
+    "Plan latency: wall-clock of plan_request inside a worker process; with --jobs > 1 "
+    "the runs share the machine's cores, so it is an upper bound.",
+    "ttft_est_mean_ms (JSON): our cost function's TTFT estimate for the chosen engine at "
+    "plan time, to compare with the simulated ttft_mean_ms.",
 ]
 
 
@@ -157,7 +161,11 @@ def _run_one(task: tuple) -> tuple:
     wl = _workload(workload, requests, seed, block_size)
     arrivals = wl.arrivals_us(rate, seed)
     run = FleetSim(
-        config, make_policy(policy, config.cost_model), wl.requests, arrivals, seed=seed
+        config,
+        make_policy(policy, _router_cost_model(policy, config.cost_model)),
+        wl.requests,
+        arrivals,
+        seed=seed,
     ).run()
     return workload, multiplier, policy, summarise(run, slo_ms)
 
@@ -455,3 +463,8 @@ def _plot(info, results, workloads, policies, rates, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _router_cost_model(policy: str, cost_model):
+    """Ours prices queueing at prefill speed, as the conductor does by default."""
+    return cost_model.queue_at_prefill_speed() if policy == "quillcache" else cost_model

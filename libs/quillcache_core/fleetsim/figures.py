@@ -44,6 +44,9 @@ def summarise(run: RunResult, slo_ms: float) -> dict[str, float | int]:
         "ttft_mean_ms": float(np.mean(ttft_ms)),
         "ttft_p50_ms": float(np.percentile(ttft_ms, 50)),
         "ttft_p99_ms": float(np.percentile(ttft_ms, 99)),
+        # Our cost function's estimate for the chosen engine at plan time (any policy):
+        # how well the CostModel predicts the simulated TTFT.
+        "ttft_est_mean_ms": float(np.mean(run.est_ttft_us)) / 1000.0,
         "goodput": float(np.mean(ttft_ms <= slo_ms)),
         "throughput_rps": run.completed / span_s,
         "output_tokens_per_s": float(run.output_tokens.sum()) / span_s,
@@ -74,7 +77,8 @@ def check_goals(by_policy: Mapping[str, Mapping[str, float]]) -> list[dict]:
     ours = by_policy.get(OURS)
     if ours is None:
         return []
-    others = {name: f for name, f in by_policy.items() if name != OURS}
+    # Sorted, so ties resolve the same way whatever order the runs finished in.
+    others = {name: by_policy[name] for name in sorted(by_policy) if name != OURS}
     goals: list[dict] = []
 
     rr = by_policy.get(BASELINE)

@@ -115,8 +115,18 @@ async def _drive(endpoints: dict, args) -> _Run:
             conv_rng = random.Random(rng.random())
             tasks.append(
                 asyncio.create_task(
-                    _conversation(session, gateway, keys[tenant], tenant, model,
-                                  system[tenant], turns, conv_rng, run, progress)
+                    _conversation(
+                        session,
+                        gateway,
+                        keys[tenant],
+                        tenant,
+                        model,
+                        system[tenant],
+                        turns,
+                        conv_rng,
+                        run,
+                        progress,
+                    )
                 )
             )
             await asyncio.sleep(rng.expovariate(args.live_rate))
@@ -131,17 +141,19 @@ async def _model(session: aiohttp.ClientSession, gateway: str, key: str) -> str:
         ) as reply:
             data = await reply.json()
         return data["data"][0]["id"]
-    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, ValueError):
         return "sim-model"
 
 
-async def _conversation(session, gateway, key, tenant, model, system, turns, rng, run,
-                        progress) -> None:
+async def _conversation(
+    session, gateway, key, tenant, model, system, turns, rng, run, progress
+) -> None:
     messages = [{"role": "system", "content": system}]
     for _ in range(turns):
         messages.append({"role": "user", "content": _words(rng, 20, 80)})
-        sample, answer = await _one(session, gateway, key, tenant, model, messages,
-                                    rng.randint(32, 96))
+        sample, answer = await _one(
+            session, gateway, key, tenant, model, messages, rng.randint(32, 96)
+        )
         run.samples.append(sample)
         progress.advance()
         messages.append({"role": "assistant", "content": answer})
@@ -195,7 +207,7 @@ async def _one(session, gateway, key, tenant, model, messages, max_tokens):
                 usage = chunk.get("usage")
                 if usage:
                     sample.completion_tokens = int(usage.get("completion_tokens", 0))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         sample.error = repr(exc)[:200]
     sample.total_s = time.perf_counter() - sent
     if sample.ok and sample.ttft_s is None:
@@ -234,14 +246,38 @@ def _report(args, endpoints: dict, policy: str, run: _Run, duration: float) -> N
     print(f"live run against {endpoints['gateway_url']}: conductor policy {policy}")
     print(
         render_table(
-            ["policy", "requests", "errors", "TTFT mean ms", "TTFT p99 ms", "goodput %",
-             "req/s", "out tok/s", "hit %", "fetch %", "recompute %", "served max/mean",
-             "plan p50 us"],
-            [(policy, figures["requests"], figures["errors"], figures["ttft_mean_ms"],
-              figures["ttft_p99_ms"], 100 * figures["goodput"], figures["throughput_rps"],
-              figures["output_tokens_per_s"], 100 * figures["hit_block_share"],
-              100 * figures["fetch_block_share"], 100 * figures["recompute_block_share"],
-              figures["served_max_over_mean"], figures["plan_p50_us"])],
+            [
+                "policy",
+                "requests",
+                "errors",
+                "TTFT mean ms",
+                "TTFT p99 ms",
+                "goodput %",
+                "req/s",
+                "out tok/s",
+                "hit %",
+                "fetch %",
+                "recompute %",
+                "served max/mean",
+                "plan p50 us",
+            ],
+            [
+                (
+                    policy,
+                    figures["requests"],
+                    figures["errors"],
+                    figures["ttft_mean_ms"],
+                    figures["ttft_p99_ms"],
+                    100 * figures["goodput"],
+                    figures["throughput_rps"],
+                    figures["output_tokens_per_s"],
+                    100 * figures["hit_block_share"],
+                    100 * figures["fetch_block_share"],
+                    100 * figures["recompute_block_share"],
+                    figures["served_max_over_mean"],
+                    figures["plan_p50_us"],
+                )
+            ],
         )
     )
     print(
@@ -258,8 +294,12 @@ def _report(args, endpoints: dict, policy: str, run: _Run, duration: float) -> N
         "mode": "live",
         "policy": policy,
         "gateway_url": endpoints["gateway_url"],
-        "config": {"requests": args.live_requests, "conversation_rate": args.live_rate,
-                   "seed": args.seed, "slo_ms": args.slo_ms},
+        "config": {
+            "requests": args.live_requests,
+            "conversation_rate": args.live_rate,
+            "seed": args.seed,
+            "slo_ms": args.slo_ms,
+        },
         "figures": figures,
         "duration_s": duration,
     }

@@ -51,7 +51,7 @@ from quillcache_core.fleetsim.workloads import SimRequest
 from quillcache_core.index import MemoryIndex
 from quillcache_core.model import MIB, CacheResidency, CacheTier, CostModel, WorkerState
 from quillcache_core.planner import ActionKind, BlockAction, Fleet, Policy
-from quillcache_core.routing import plan_request
+from quillcache_core.routing import plan_request, record_optimistic
 
 GIB = 1024 * MIB
 MAX_ENGINES = 256
@@ -273,6 +273,7 @@ class RunResult:
     recompute_tokens: np.ndarray
     planned_hit_blocks: np.ndarray
     planned_fetch_blocks: np.ndarray
+    est_ttft_us: np.ndarray  # our cost function's TTFT estimate for the chosen engine
     plan_s: np.ndarray
     load_avg: np.ndarray  # per engine: time-averaged in-flight requests
     served: np.ndarray  # per engine: requests completed
@@ -360,6 +361,7 @@ class FleetSim:
         self.recompute_tokens = np.zeros(n, dtype=np.int64)
         self.planned_hit = np.zeros(n, dtype=np.int64)
         self.planned_fetch = np.zeros(n, dtype=np.int64)
+        self.est_ttft_us = np.zeros(n)
         self.plan_s = np.zeros(n)
         self.completed = 0
         self.stale_hits = 0
@@ -397,6 +399,9 @@ class FleetSim:
         start = self.plan_clock()
         decision = plan_request(self.index, self.policy, shape, self.fleet, self.rng)
         self.plan_s[i] = self.plan_clock() - start
+        if self.policy.optimistic_residency:
+            # As the conductor does; the engine's eviction events correct it later.
+            record_optimistic(self.index, decision, shape, self.nbytes)
         eng = self.engine_by_id[decision.engine.id]
         state = eng.state
         prefill = decision.recompute_tokens(shape)
@@ -410,6 +415,7 @@ class FleetSim:
         self.engine_of[i] = eng.n
         self.planned_hit[i] = decision.count(_LOCAL_HIT)
         self.planned_fetch[i] = decision.count(_FETCH)
+        self.est_ttft_us[i] = decision.chosen.est_ttft_us
         eng.queue.append(i)
         if not eng.busy:
             self._start_prefill(eng, now)
@@ -576,6 +582,7 @@ class FleetSim:
             recompute_tokens=self.recompute_tokens,
             planned_hit_blocks=self.planned_hit,
             planned_fetch_blocks=self.planned_fetch,
+            est_ttft_us=self.est_ttft_us,
             plan_s=self.plan_s,
             load_avg=load_avg,
             served=np.array([e.served for e in self.engines], dtype=np.int64),
