@@ -26,12 +26,15 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = conductor_pb2.DESCRIPTOR.services_by_name["Conductor"].full_name
 TICK_S = 0.05
+FLUSH_S = 1.0
 
 
 class ConductorServer:
     def __init__(self, config: ConductorConfig) -> None:
         self.config = config
-        self.index = open_index(config.index_backend, config.index_path or None)
+        # Residency is a routing hint the engines' events rebuild: commits are flushed
+        # every second by the tick, not fsynced one by one inside Plan.
+        self.index = open_index(config.index_backend, config.index_path or None, sync_commits=False)
         cost_model = CostModel() if config.seed_queue_cost else CostModel().queue_at_prefill_speed()
         policy = make_policy(config.policy, cost_model, config.temperature)
         self.state = ConductorState(
@@ -173,9 +176,13 @@ class ConductorServer:
                 self.state.store_joined(record)
 
     async def _tick(self) -> None:
+        last_flush = time.monotonic()
         while True:
             await asyncio.sleep(TICK_S)
             self.state.tick()
+            if time.monotonic() - last_flush >= FLUSH_S:
+                last_flush = time.monotonic()
+                await asyncio.to_thread(self.index.flush)
 
     async def stop(self) -> None:
         for task in self._tasks:

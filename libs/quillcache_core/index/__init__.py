@@ -12,11 +12,12 @@ __all__ = ["IndexBackend", "LmdbIndex", "MemoryIndex", "open_index"]
 BACKENDS = ("memory", "lmdb")
 
 
-def open_index(backend: str, path: str | None = None) -> IndexBackend:
+def open_index(backend: str, path: str | None = None, *, sync_commits: bool = True) -> IndexBackend:
     """Open the index backend named `backend` ("memory" or "lmdb", any case).
 
     "lmdb" needs `path`, the environment directory (created if missing); "memory"
-    ignores it. Raises InvalidArgument for an unknown name or lmdb without a path.
+    ignores it. `sync_commits=False` lets lmdb skip the fsync per commit (see
+    LmdbIndex.flush). Raises InvalidArgument for an unknown name or lmdb without a path.
     """
     name = str(backend).strip().lower()
     if name == "memory":
@@ -24,7 +25,7 @@ def open_index(backend: str, path: str | None = None) -> IndexBackend:
     if name == "lmdb":
         if not path:
             raise InvalidArgument("index backend 'lmdb' needs a path (the environment directory)")
-        return LmdbIndex(path)
+        return LmdbIndex(path, sync_commits=sync_commits)
     raise InvalidArgument(
         f"unknown index backend {backend!r}; expected one of: {', '.join(BACKENDS)}"
     )

@@ -78,5 +78,8 @@ class IndexBackend(abc.ABC):
     @abc.abstractmethod
     def metrics(self) -> IndexMetrics: ...
 
+    def flush(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """Make every change so far durable; a no-op for in-memory backends."""
+
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release files; a no-op for in-memory backends."""

@@ -53,9 +53,13 @@ def _tier_value(tier: object) -> str:
 class LmdbIndex(IndexBackend):
     """A residency index stored in an LMDB environment directory at `path`.
 
-    Every write method is one write transaction, synced on commit (LMDB defaults), so
-    a record is durable once the call returns; put_many commits all of its records
-    together. Reopening the same path gives back the same records, len() and
+    Every write method is one write transaction; put_many commits all of its records
+    together. With `sync_commits` (the default) a record is durable once the call
+    returns. Without it, commits are not fsynced: `flush()` makes everything so far
+    durable (the conductor calls it every second), and a crash loses at most the
+    commits since, never the database's consistency. Residency is a routing hint
+    the engines' events rebuild, so the conductor trades that second for a Plan that
+    does not wait on the disk. Reopening the same path gives back the same records, len() and
     resident_bytes. puts, removes, prefix_scans and bytes_written count this
     process's calls only. Costs match MemoryIndex with a B-tree lookup in place of
     each hash lookup; only snapshot() reads every record.
@@ -63,7 +67,13 @@ class LmdbIndex(IndexBackend):
 
     name = "lmdb"
 
-    def __init__(self, path: str | os.PathLike[str], map_size_bytes: int = 8 << 30) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        map_size_bytes: int = 8 << 30,
+        *,
+        sync_commits: bool = True,
+    ) -> None:
         self._path = os.fspath(path)
         self._env = lmdb.open(
             self._path,
@@ -72,8 +82,8 @@ class LmdbIndex(IndexBackend):
             max_dbs=4,
             writemap=False,
             readahead=True,
-            sync=True,
-            metasync=True,
+            sync=sync_commits,
+            metasync=sync_commits,
         )
         self._closed = False
         try:
@@ -391,8 +401,14 @@ class LmdbIndex(IndexBackend):
             bytes_written=self._bytes_written,
         )
 
-    def close(self) -> None:
-        """Close the environment; later calls raise InvalidArgument. Idempotent."""
+    def flush(self) -> None:
+        """Make every commit so far durable (an fsync); a no-op once closed."""
         if not self._closed:
+            self._env.sync(True)
+
+    def close(self) -> None:
+        """Flush and close the environment; later calls raise InvalidArgument. Idempotent."""
+        if not self._closed:
+            self._env.sync(True)
             self._closed = True
             self._env.close()
