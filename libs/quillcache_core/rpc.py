@@ -135,6 +135,15 @@ def add_health_and_reflection(
     return servicer
 
 
+async def start_server(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind host:port (port 0 = a free one) and start serving; returns the bound port."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind gRPC port {host}:{port}")
+    await server.start()
+    return bound
+
+
 async def set_serving(servicer: health.aio.HealthServicer, service_names: Iterable[str]) -> None:
     for name in ["", *service_names]:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -20,7 +20,12 @@ from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.model import CostModel
 from quillcache_core.policies import make_policy
 from quillcache_core.registry import NodeRecord, open_registry
-from quillcache_core.rpc import add_health_and_reflection, set_serving, start_metrics_app
+from quillcache_core.rpc import (
+    add_health_and_reflection,
+    set_serving,
+    start_metrics_app,
+    start_server,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +127,7 @@ class ConductorServer:
             server,
         )
         health = add_health_and_reflection(server, [SERVICE_NAME])
-        self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if self.grpc_port == 0:
-            raise RuntimeError(f"could not bind gRPC port {cfg.host}:{cfg.port}")
-        await server.start()
+        self.grpc_port = await start_server(server, cfg.host, cfg.port)
         self.server = server
         self._runner, self.metrics_port = await start_metrics_app(
             self.metrics, cfg.host, cfg.metrics_port

@@ -10,7 +10,12 @@ import grpc
 from quillcache.v1 import transfer_pb2_grpc
 from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, open_registry
-from quillcache_core.rpc import add_health_and_reflection, set_serving, start_metrics_app
+from quillcache_core.rpc import (
+    add_health_and_reflection,
+    set_serving,
+    start_metrics_app,
+    start_server,
+)
 from quillcache_store.client import MAX_MESSAGE_BYTES
 from quillcache_store.ssd import tune_malloc_for_large_values
 from quillcache_transfer.config import TransferConfig
@@ -80,10 +85,7 @@ class TransferServer:
         )
         transfer_pb2_grpc.add_TransferServicer_to_server(self.servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
-        self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        if self.grpc_port == 0:
-            raise RuntimeError(f"could not bind gRPC port {cfg.host}:{cfg.port}")
-        await server.start()
+        self.grpc_port = await start_server(server, cfg.host, cfg.port)
         self.server = server
         self._runner, self.metrics_port = await start_metrics_app(
             self.metrics, cfg.host, cfg.metrics_port
