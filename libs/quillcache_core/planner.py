@@ -144,7 +144,11 @@ def source_cost(
     residency: CacheResidency,
     store_domains: Mapping[str, str],
 ) -> tuple[float, ActionKind] | None:
-    """Cost of using one residency on `engine`, or None when it is no source for it."""
+    """Cost of using one residency on `engine`, or None when it is no source for it.
+
+    The readable definition: the cost matrix and `actions_for_prefix` inline exactly
+    this arithmetic on the hot path, and the tests check them against it.
+    """
     if residency.worker_id == engine.id:
         cost = cost_model.transfer_cost_us(residency.tier, residency.bytes, True, True)
         return float(cost), ActionKind.LOCAL_HIT

@@ -10,7 +10,7 @@ import heapq
 import logging
 import random
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
@@ -143,11 +143,6 @@ class ConductorState:
         dropped = self.index.clear_worker(store_id)
         logger.info("store %s left; dropped %d residency records", store_id, dropped)
         return dropped
-
-    def forget_unregistered(self, live_ids: Iterable[str], workers: Iterable[str]) -> int:
-        """Drop residency of workers that are not live (e.g. left while we were down)."""
-        live = set(live_ids)
-        return sum(self.index.clear_worker(w) for w in workers if w not in live)
 
     # --- plan / finish / observe ---------------------------------------------------
 
