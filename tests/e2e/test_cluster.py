@@ -387,3 +387,112 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def test_ttft_budget_header_drives_the_goodput_metric(cluster):
+    _, endpoints = cluster
+    metrics = endpoints["metrics"]["gateway"]
+    client = client_for(endpoints)
+
+    def ask(slo_ms: str, n: int):
+        return client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            max_tokens=2,
+            extra_headers={"x-quillcache-ttft-slo-ms": slo_ms},
+            messages=[{"role": "user", "content": f"budget question {n} " + "word " * 300}],
+        )
+
+    timed, met = (
+        _metric(metrics, "quillcache_gateway_ttft_seconds_count"),
+        _metric(metrics, "quillcache_gateway_ttft_slo_met_total"),
+    )
+    ask("1", 1)  # a 1 ms budget cannot be met by a 300-word prefill at real time scale
+    assert _metric(metrics, "quillcache_gateway_ttft_seconds_count") == timed + 1
+    assert _metric(metrics, "quillcache_gateway_ttft_slo_met_total") == met
+    ask("60000", 2)
+    assert _metric(metrics, "quillcache_gateway_ttft_slo_met_total") == met + 1
+    goodput = _metric(metrics, "quillcache_gateway_goodput")
+    assert 0 < goodput < 1
+    with pytest.raises(openai.BadRequestError):
+        ask("soon", 3)
+
+
+def test_a_tokenizer_json_trained_here_is_used_by_gateway_and_engine(tmp_path):
+    from tests.unit.test_tokenize import train_tokenizer
+
+    tok = train_tokenizer(tmp_path / "tok.json")
+    lc = LocalCluster(
+        tmp_path / "cluster",
+        engines=1,
+        stores=1,
+        time_scale=0.02,
+        log=lambda *_: None,
+        extra_args={
+            "gateway": ["--tokenizers", f"{MODEL}={tok}"],
+            "sim-engine": ["--tokenizer", tok],
+        },
+    )
+    endpoints = lc.start()
+    try:
+        client = client_for(endpoints)
+        system = "QuillCache routes requests to the engine that holds their prefix. " * 10
+        chat(client, "First question.", system=system)
+        headers, _, _ = chat(client, "Second question.", system=system)
+        # Hits need the gateway's and the engine's token ids (hence hashes) to agree.
+        assert int(headers["x-quillcache-hit-blocks"]) >= 3, headers
+    finally:
+        lc.stop()
+
+
+def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_and_frees_the_reservation(
+    tmp_path,
+):
+    lc = LocalCluster(tmp_path, engines=1, stores=1, time_scale=1.0, log=lambda *_: None)
+    endpoints = lc.start()
+    try:
+        engine = next(c for c in lc.children if c.service == "sim-engine")
+        url = endpoints["gateway_url"] + "/v1/chat/completions"
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "stream": True,
+                "max_tokens": 20000,
+                "messages": [{"role": "user", "content": "tell me a very long story"}],
+            }
+        ).encode()
+        request = urllib.request.Request(
+            url,
+            data=body,
+            method="POST",
+            headers={
+                "Content-Type": "application/json",
+                "Authorization": f"Bearer {endpoints['api_keys']['acme']}",
+            },
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            first = reply.readline()
+            assert first.startswith(b"data: {")
+            engine.proc.send_signal(signal.SIGKILL)
+            rest = reply.read()
+        events = [line for line in rest.split(b"\n") if line.startswith(b"data: ")]
+        assert events and b'"error"' in events[-1], rest[-300:]
+        assert b"[DONE]" not in rest
+        with grpc.insecure_channel(endpoints["conductor"]) as channel:
+            stub = conductor_pb2_grpc.ConductorStub(channel)
+            wait_until(
+                lambda: stub.Stats(conductor_pb2.StatsRequest(), timeout=5).reservations_open == 0,
+                timeout_s=10,
+                what="the reservation released",
+            )
+            stats = stub.Stats(conductor_pb2.StatsRequest(), timeout=5)
+            assert stats.reservations_expired == 0, "released by Finish, not by expiry"
+    finally:
+        lc.stop()

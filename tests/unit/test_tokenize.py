@@ -1,0 +1,99 @@
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.tokenize import BuiltinTokenizer, load_tokenizers, prompt_tokens, render_chat
+
+pytestmark = pytest.mark.unit
+
+TEXT = (
+    "QuillCache routes requests to the engine that holds their prefix. "
+    "Tenants never share cached blocks. The conductor plans, the store keeps bytes. "
+) * 20
+
+
+def train_tokenizer(path) -> str:
+    """A small byte-level BPE tokenizer trained here, saved as tokenizer.json."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TEXT], trainer)
+    tok.save(str(path))
+    return str(path)
+
+
+def test_chat_renders_the_whole_conversation_with_the_assistant_prefix():
+    text = render_chat(
+        [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "hi "},
+                    {"type": "image_url", "image_url": {}},
+                    {"type": "text", "text": "there"},
+                ],
+            },
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "again"},
+        ]
+    )
+    assert text == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n"
+        "<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        "hi",
+        [{"role": "wizard", "content": "x"}],
+        [{"role": "user", "content": 5}],
+        [3],
+        [{"role": "user", "content": [{"text": "no type"}]}],
+    ],
+)
+def test_malformed_chat_is_rejected(messages):
+    with pytest.raises(InvalidArgument):
+        render_chat(messages)
+
+
+def test_prompt_forms():
+    tok = BuiltinTokenizer()
+    assert prompt_tokens("a b", tok) == [tok.encode("a b")]
+    assert prompt_tokens(["a", "b c"], tok) == [tok.encode("a"), tok.encode("b c")]
+    assert prompt_tokens([5, 6, 7], tok) == [[5, 6, 7]]
+    assert prompt_tokens([[1], [2, 3]], tok) == [[1], [2, 3]]
+    for bad in ([], [1, "a"], [-1], [True], 3, None, [[]]):
+        with pytest.raises(InvalidArgument):
+            prompt_tokens(bad, tok)
+
+
+def test_builtin_tokenizer_is_deterministic_and_splits_words():
+    tok = BuiltinTokenizer()
+    assert tok.encode("Hello, world") == tok.encode("Hello, world")
+    assert len(tok.encode("Hello, world")) == 4  # Hello , space world
+    assert all(0 <= t < 32000 for t in tok.encode(TEXT))
+
+
+def test_a_locally_trained_tokenizer_json_is_used_per_model(tmp_path):
+    path = train_tokenizer(tmp_path / "tok.json")
+    tokenizers = load_tokenizers(f"my-model={path}")
+    tok = tokenizers["my-model"]
+    ids = tok.encode("The conductor plans.")
+    assert ids == tok.encode("The conductor plans.")
+    assert ids != BuiltinTokenizer().encode("The conductor plans.")
+    assert len(ids) < len("The conductor plans."), "BPE merges learned from the text"
+    assert tok.name == "my-model:tok.json"
+
+
+def test_bad_tokenizer_specs_are_rejected(tmp_path):
+    with pytest.raises(InvalidArgument):
+        load_tokenizers("no-equals-sign")
+    with pytest.raises(InvalidArgument):
+        load_tokenizers(f"m={tmp_path / 'missing.json'}")
