@@ -87,6 +87,8 @@ class PlanDecision:
     chosen: EngineCost
     others: list[EngineCost]
     refusals: list[Refusal] = field(default_factory=list)
+    # Per block, the residencies the policy saw (set by routing.plan_request).
+    usable: Sequence[Sequence[CacheResidency]] | None = None
 
     def count(self, kind: ActionKind) -> int:
         return sum(1 for action in self.actions if action.kind is kind)

@@ -25,6 +25,7 @@ def plan_request(
     audit = audit_reuse(request.scope(), located)
     decision = policy.plan(request, audit.usable, fleet, rng)
     decision.refusals = audit.refusals
+    decision.usable = audit.usable
     return decision
 
 

@@ -136,26 +136,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         outcome = self.state.plan(shape, request.exclude_engines)
         decision = outcome.decision
         stores = self.state.stores
-        actions = []
-        for action in decision.actions:
-            proto = conductor_pb2.BlockAction(
-                kind=KIND_TO_PROTO[action.kind._name_],
-                block_index=action.block_index,
-                block_hash=action.block_hash,
-                cost_us=int(action.cost_us),
-            )
-            if action.source_node:
-                proto.source_node = action.source_node
-                node = stores.get(action.source_node)
-                proto.source_address = node.address if node is not None else ""
-            if action.source_tier is not None:
-                proto.source_tier = TIER_TO_PROTO[action.source_tier]
-            actions.append(proto)
-        return conductor_pb2.PlanResponse(
+        reply = conductor_pb2.PlanResponse(
             reservation_id=outcome.reservation_id,
             engine_id=decision.engine.id,
             engine_base_url=decision.engine.base_url,
-            actions=actions,
             est_ttft_ms=decision.chosen.est_ttft_us / 1000.0,
             chosen=_cost_to_proto(decision.chosen),
             others=[
@@ -175,8 +159,31 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             hit_blocks=decision.count(ActionKind.LOCAL_HIT),
             fetch_blocks=decision.count(ActionKind.FETCH),
             recompute_blocks=decision.count(ActionKind.RECOMPUTE),
-            plan_us=int((time.perf_counter() - start) * 1e6),
         )
+        # repeated.add() is about twice as fast as building each message first.
+        add = reply.actions.add
+        for action in decision.actions:
+            kind = KIND_TO_PROTO[action.kind._name_]
+            if action.source_node:
+                node = stores.get(action.source_node)
+                add(
+                    kind=kind,
+                    block_index=action.block_index,
+                    block_hash=action.block_hash,
+                    cost_us=int(action.cost_us),
+                    source_node=action.source_node,
+                    source_address=node.address if node is not None else "",
+                    source_tier=TIER_TO_PROTO[action.source_tier],
+                )
+            else:
+                add(
+                    kind=kind,
+                    block_index=action.block_index,
+                    block_hash=action.block_hash,
+                    cost_us=int(action.cost_us),
+                )
+        reply.plan_us = int((time.perf_counter() - start) * 1e6)
+        return reply
 
     @unary_errors
     async def Finish(self, request, context):
