@@ -51,8 +51,9 @@ class GatewayConfig:
     def tenants_by_key(self) -> dict[str, str]:
         return {key: tenant for tenant, key in parse_pairs(self.api_keys, "--api-keys").items()}
 
-    def salt_for(self, tenant: str) -> str:
-        return parse_pairs(self.cache_salts, "--cache-salts").get(tenant, tenant)
+    def salts_by_tenant(self) -> dict[str, str]:
+        """Configured cache salts; a tenant not listed uses its own id."""
+        return parse_pairs(self.cache_salts, "--cache-salts")
 
 
 def parse_pairs(spec: str, flag: str) -> dict[str, str]:

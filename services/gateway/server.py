@@ -52,6 +52,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.tenants = config.tenants_by_key()
+        self.salts = config.salts_by_tenant()
         self.tokenizers: dict[str, Tokenizer] = load_tokenizers(config.tokenizers)
         self.builtin = BuiltinTokenizer()
         self.metrics = MetricsRegistry()
@@ -343,7 +344,7 @@ class Gateway:
         slo_ms,
     ):
         cfg = self.config
-        salt = cfg.salt_for(tenant)
+        salt = self.salts.get(tenant, tenant)
         tokenizer = self.tokenizers.get(model, self.builtin)
         keys = request_blocks(
             tokens,
