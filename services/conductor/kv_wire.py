@@ -27,6 +27,7 @@ import msgpack
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CacheTier
+from quillcache_core.vllm_events import REMOVED_FIELDS, STORED_FIELDS
 
 __all__ = [
     "DecodedBatch",
@@ -230,23 +231,6 @@ def _salt_from_extra_keys(extra_keys: Any, lora_name: str | None) -> str | None:
     return None
 
 
-# Positional field order (after the tag) of vLLM's tagged-array events.
-_STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-)
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-
-
 def _fields(event: Any, index: int, names: tuple[str, ...], required: int) -> list[Any]:
     """The event's fields in `names` order, missing optional ones as None."""
     if type(event) is list:
@@ -278,7 +262,7 @@ def _stored(event: Any, index: int) -> EngineBlockStored:
         group_idx,
         _kind,
         _window,
-    ) = _fields(event, index, _STORED_FIELDS, 4)
+    ) = _fields(event, index, STORED_FIELDS, 4)
     hashes = _hashes(raw_hashes)
     if not hashes:
         raise _Reject("no_blocks", "BlockStored with no block hashes")
@@ -304,7 +288,7 @@ def _stored(event: Any, index: int) -> EngineBlockStored:
 
 
 def _removed(event: Any, index: int) -> EngineBlockRemoved:
-    raw_hashes, medium, group_idx = _fields(event, index, _REMOVED_FIELDS, 1)
+    raw_hashes, medium, group_idx = _fields(event, index, REMOVED_FIELDS, 1)
     hashes = _hashes(raw_hashes)
     group = _opt_int(group_idx, "bad_group_idx", "group_idx")
     return EngineBlockRemoved(hashes, _tier(medium), group)

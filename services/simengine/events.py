@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.vllm_events import REMOVED_FIELDS, STORED_FIELDS
 from quillcache_simengine.kvcache import CachedBlock, extra_keys_for
 
 __all__ = [
@@ -43,22 +44,8 @@ ENCODINGS = ("array", "map")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MEDIUM_GPU = "GPU"
 
-# vLLM's field order; the first `required` fields have no default and are always sent.
-_STORED_FIELDS = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-)
+# The first `required` fields of each event have no default in vLLM and are always sent.
 _STORED_REQUIRED = 7
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _REMOVED_REQUIRED = 2
 
 
@@ -101,14 +88,14 @@ def block_stored(blocks: Sequence[CachedBlock], block_size: int, encoding: str) 
         "extra_keys": extra if any(e is not None for e in extra) else None,
     }
     return _encode(
-        "BlockStored", values, _STORED_FIELDS, _STORED_REQUIRED, _check_encoding(encoding)
+        "BlockStored", values, STORED_FIELDS, _STORED_REQUIRED, _check_encoding(encoding)
     )
 
 
 def block_removed(engine_hashes: Sequence[int], encoding: str) -> Any:
     values = {"block_hashes": list(engine_hashes), "medium": MEDIUM_GPU}
     return _encode(
-        "BlockRemoved", values, _REMOVED_FIELDS, _REMOVED_REQUIRED, _check_encoding(encoding)
+        "BlockRemoved", values, REMOVED_FIELDS, _REMOVED_REQUIRED, _check_encoding(encoding)
     )
 
 
