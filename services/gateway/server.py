@@ -8,6 +8,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import aiohttp
 import grpc
@@ -46,6 +47,18 @@ SUCCESS = conductor_pb2.FinishRequest.SUCCESS
 ERROR = conductor_pb2.FinishRequest.ERROR
 CANCELLED = conductor_pb2.FinishRequest.CANCELLED
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Completion:
+    """A validated completion request: its body, model, tokenizer and prompt tokens."""
+
+    payload: dict
+    model: str
+    tokenizer: Tokenizer
+    tokens: list[int]
+    max_tokens: int
+    stream: bool
 
 
 class Gateway:
@@ -200,20 +213,9 @@ class Gateway:
         try:
             tenant = self._tenant(request)
             payload = await self._read_json(request)
-            model, tokens, max_tokens, stream = await self._parse(payload, kind)
+            job = await self._parse(payload, kind)
             slo_ms = self._slo_ms(request)
-            result = await self._proxy(
-                request,
-                request_id,
-                arrived,
-                tenant,
-                payload,
-                model,
-                tokens,
-                max_tokens,
-                stream,
-                slo_ms,
-            )
+            result = await self._proxy(request, request_id, arrived, tenant, job, slo_ms)
         except ApiError as err:
             self.requests.inc(route=route, status=str(err.status))
             return response(err, {"x-quillcache-request-id": request_id})
@@ -254,7 +256,7 @@ class Gateway:
             raise ApiError(400, "request body must be a JSON object")
         return payload
 
-    async def _parse(self, payload: dict, kind: str):
+    async def _parse(self, payload: dict, kind: str) -> _Completion:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' must be a non-empty string", param="model")
@@ -289,7 +291,9 @@ class Gateway:
         stream = payload.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", param="stream")
-        return model, tokens, max_tokens or self.config.default_max_tokens, stream
+        return _Completion(
+            payload, model, tokenizer, tokens, max_tokens or self.config.default_max_tokens, stream
+        )
 
     def _slo_ms(self, request: web.Request) -> int:
         value = request.headers.get(SLO_HEADER)
@@ -330,22 +334,10 @@ class Gateway:
             self.plan_sum.inc(time.perf_counter() - started)
             self.plan_count.inc()
 
-    async def _proxy(
-        self,
-        request,
-        request_id,
-        arrived,
-        tenant,
-        payload,
-        model,
-        tokens,
-        max_tokens,
-        stream,
-        slo_ms,
-    ):
+    async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms):
         cfg = self.config
         salt = self.salts.get(tenant, tenant)
-        tokenizer = self.tokenizers.get(model, self.builtin)
+        payload, model, tokenizer, tokens = job.payload, job.model, job.tokenizer, job.tokens
         keys = request_blocks(
             tokens,
             cfg.block_size,
@@ -361,7 +353,7 @@ class Gateway:
         excluded: list[str] = []
         for _attempt in range(cfg.upstream_retries + 1):
             plan = await self._plan(
-                request_id, identity, keys, tokens, max_tokens, slo_ms, excluded
+                request_id, identity, keys, tokens, job.max_tokens, slo_ms, excluded
             )
             body = dict(payload)
             body["cache_salt"] = salt
@@ -402,7 +394,7 @@ class Gateway:
             "x-quillcache-plan-us": str(plan.plan_us),
         }
         try:
-            if upstream.status != 200 or not stream:
+            if upstream.status != 200 or not job.stream:
                 data = await upstream.read()
                 ttft_s = time.perf_counter() - arrived
                 ok = upstream.status == 200
