@@ -41,18 +41,6 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def fleet(etcd_server, tmp_path):
-    f = Fleet(etcd_server, tmp_path)
-    try:
-        yield f
-    except BaseException:
-        print(f.log_tails())
-        raise
-    finally:
-        f.stop()
-
-
-@pytest.fixture
 def lone_store(tmp_path):
     """A store with an in-memory registry: no etcd, no conductor."""
     f = Fleet(None, tmp_path)

@@ -14,21 +14,9 @@ from quillcache_core.model import CacheTier
 from quillcache_store import wire
 from quillcache_store.client import StoreClient
 from tests.support.services import wait_until
-from tests.support.stores import SHAPES, Fleet, block_key, kv_payload, locate, run
+from tests.support.stores import SHAPES, block_key, kv_payload, locate, run
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def fleet(etcd_server, tmp_path):
-    f = Fleet(etcd_server, tmp_path)
-    try:
-        yield f
-    except BaseException:
-        print(f.log_tails())
-        raise
-    finally:
-        f.stop()
 
 
 async def _with(address: str, fn):
