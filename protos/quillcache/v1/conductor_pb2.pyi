@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlanRequest(_message.Message):
-    __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines")
+    __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines", "packed_hashes", "block_tokens", "block_bytes", "action_runs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,10 @@ class PlanRequest(_message.Message):
     EXPECTED_DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SLO_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTION_RUNS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     identity: _common_pb2.Identity
     blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockRef]
@@ -24,10 +28,14 @@ class PlanRequest(_message.Message):
     expected_decode_tokens: int
     slo: _common_pb2.Slo
     exclude_engines: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., expected_decode_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ..., exclude_engines: _Optional[_Iterable[str]] = ...) -> None: ...
+    packed_hashes: bytes
+    block_tokens: int
+    block_bytes: int
+    action_runs: bool
+    def __init__(self, request_id: _Optional[str] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., expected_decode_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ..., exclude_engines: _Optional[_Iterable[str]] = ..., packed_hashes: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., action_runs: _Optional[bool] = ...) -> None: ...
 
 class BlockAction(_message.Message):
-    __slots__ = ("kind", "block_index", "block_hash", "source_node", "source_address", "source_tier", "cost_us")
+    __slots__ = ("kind", "block_index", "block_hash", "source_node", "source_address", "source_tier", "cost_us", "block_count")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[BlockAction.Kind]
@@ -45,6 +53,7 @@ class BlockAction(_message.Message):
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
     COST_US_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COUNT_FIELD_NUMBER: _ClassVar[int]
     kind: BlockAction.Kind
     block_index: int
     block_hash: str
@@ -52,7 +61,8 @@ class BlockAction(_message.Message):
     source_address: str
     source_tier: _common_pb2.Tier
     cost_us: int
-    def __init__(self, kind: _Optional[_Union[BlockAction.Kind, str]] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[str] = ..., source_node: _Optional[str] = ..., source_address: _Optional[str] = ..., source_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., cost_us: _Optional[int] = ...) -> None: ...
+    block_count: int
+    def __init__(self, kind: _Optional[_Union[BlockAction.Kind, str]] = ..., block_index: _Optional[int] = ..., block_hash: _Optional[str] = ..., source_node: _Optional[str] = ..., source_address: _Optional[str] = ..., source_tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., cost_us: _Optional[int] = ..., block_count: _Optional[int] = ...) -> None: ...
 
 class EngineCost(_message.Message):
     __slots__ = ("engine_id", "cost_us", "est_ttft_us", "queue_us", "fetch_us", "prefill_us", "decode_us", "prefix_blocks", "hit_blocks", "fetch_blocks", "score")
@@ -123,7 +133,7 @@ class PlanResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., engine_base_url: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[BlockAction, _Mapping]]] = ..., est_ttft_ms: _Optional[float] = ..., chosen: _Optional[_Union[EngineCost, _Mapping]] = ..., others: _Optional[_Iterable[_Union[EngineCost, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., policy: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., recompute_blocks: _Optional[int] = ..., plan_us: _Optional[int] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks")
+    __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks", "observe_packed_hashes", "observe_block_tokens")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OUTCOME_UNSPECIFIED: _ClassVar[FinishRequest.Outcome]
@@ -140,19 +150,65 @@ class FinishRequest(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    OBSERVE_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     outcome: FinishRequest.Outcome
     ttft_ms: float
     output_tokens: int
     identity: _common_pb2.Identity
     observe_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockRef]
-    def __init__(self, reservation_id: _Optional[str] = ..., outcome: _Optional[_Union[FinishRequest.Outcome, str]] = ..., ttft_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., observe_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ...) -> None: ...
+    observe_packed_hashes: bytes
+    observe_block_tokens: int
+    def __init__(self, reservation_id: _Optional[str] = ..., outcome: _Optional[_Union[FinishRequest.Outcome, str]] = ..., ttft_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., observe_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., observe_packed_hashes: _Optional[bytes] = ..., observe_block_tokens: _Optional[int] = ...) -> None: ...
 
 class FinishResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PlanCall(_message.Message):
+    __slots__ = ("call_id", "plan", "finish")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    plan: PlanRequest
+    finish: FinishRequest
+    def __init__(self, call_id: _Optional[int] = ..., plan: _Optional[_Union[PlanRequest, _Mapping]] = ..., finish: _Optional[_Union[FinishRequest, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PlanCallResult(_message.Message):
+    __slots__ = ("call_id", "plan", "finish", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    plan: PlanResponse
+    finish: FinishResponse
+    error: CallError
+    def __init__(self, call_id: _Optional[int] = ..., plan: _Optional[_Union[PlanResponse, _Mapping]] = ..., finish: _Optional[_Union[FinishResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class PlanStreamRequest(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[PlanCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[PlanCall, _Mapping]]] = ...) -> None: ...
+
+class PlanStreamResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PlanCallResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PlanCallResult, _Mapping]]] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
     __slots__ = ("engine_id", "identity", "blocks")

@@ -45,6 +45,11 @@ class ConductorStub:
                 request_serializer=quillcache_dot_v1_dot_conductor__pb2.FinishRequest.SerializeToString,
                 response_deserializer=quillcache_dot_v1_dot_conductor__pb2.FinishResponse.FromString,
                 _registered_method=True)
+        self.PlanStream = channel.stream_stream(
+                '/quillcache.v1.Conductor/PlanStream',
+                request_serializer=quillcache_dot_v1_dot_conductor__pb2.PlanStreamRequest.SerializeToString,
+                response_deserializer=quillcache_dot_v1_dot_conductor__pb2.PlanStreamResponse.FromString,
+                _registered_method=True)
         self.Observe = channel.unary_unary(
                 '/quillcache.v1.Conductor/Observe',
                 request_serializer=quillcache_dot_v1_dot_conductor__pb2.ObserveRequest.SerializeToString,
@@ -80,6 +85,16 @@ class ConductorServicer:
 
     def Finish(self, request, context):
         """Release a reservation made by Plan.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanStream(self, request_iterator, context):
+        """Plan and Finish multiplexed over one long-lived stream: a gateway keeps one open
+        and saves a call's setup per request (about half a unary round trip). Calls
+        queued together travel in one message; each result carries its call's id and,
+        on failure, the status code the unary RPC would have returned.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +140,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=quillcache_dot_v1_dot_conductor__pb2.FinishRequest.FromString,
                     response_serializer=quillcache_dot_v1_dot_conductor__pb2.FinishResponse.SerializeToString,
+            ),
+            'PlanStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PlanStream,
+                    request_deserializer=quillcache_dot_v1_dot_conductor__pb2.PlanStreamRequest.FromString,
+                    response_serializer=quillcache_dot_v1_dot_conductor__pb2.PlanStreamResponse.SerializeToString,
             ),
             'Observe': grpc.unary_unary_rpc_method_handler(
                     servicer.Observe,
@@ -202,6 +222,33 @@ class Conductor:
             '/quillcache.v1.Conductor/Finish',
             quillcache_dot_v1_dot_conductor__pb2.FinishRequest.SerializeToString,
             quillcache_dot_v1_dot_conductor__pb2.FinishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/quillcache.v1.Conductor/PlanStream',
+            quillcache_dot_v1_dot_conductor__pb2.PlanStreamRequest.SerializeToString,
+            quillcache_dot_v1_dot_conductor__pb2.PlanStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

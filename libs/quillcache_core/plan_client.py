@@ -1,0 +1,173 @@
+"""Plan and Finish over the conductor's PlanStream, shared by every task of a process.
+
+A unary gRPC call costs about twice a message on an open stream here (call setup,
+metadata, a task per call on each side), and Plan sits on every request's critical
+path. `PlanClient` keeps one stream open, gives each call an id, sends the calls
+queued while the previous message was being written as one message, and resolves
+each caller's future from the results. Failures look exactly like the unary RPC's:
+`grpc.aio.AioRpcError` with the same status code and details. If the stream breaks,
+the calls in flight fail with UNAVAILABLE and the next call opens a new stream; a
+conductor without PlanStream (UNIMPLEMENTED) is called unary from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+
+import grpc
+
+from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a unary call with this status would have raised."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class PlanClient:
+    """Multiplexes Plan and Finish calls from many tasks over one PlanStream."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = conductor_pb2_grpc.ConductorStub(channel)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._outbox: list[conductor_pb2.PlanCall] = []
+        self._wake = asyncio.Event()
+        self._call = None
+        self._tasks: list[asyncio.Task] = []
+        self._unary = False
+        self._closed = False
+        self.streams_opened = 0
+
+    async def plan(
+        self, request: conductor_pb2.PlanRequest, timeout: float | None = None
+    ) -> conductor_pb2.PlanResponse:
+        if self._unary:
+            return await self._stub.Plan(request, timeout=timeout)
+        try:
+            return await self._submit(conductor_pb2.PlanCall(plan=request), timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED or self._unary is False:
+                raise
+            return await self._stub.Plan(request, timeout=timeout)
+
+    async def finish(
+        self, request: conductor_pb2.FinishRequest, timeout: float | None = None
+    ) -> conductor_pb2.FinishResponse:
+        if self._unary:
+            return await self._stub.Finish(request, timeout=timeout)
+        try:
+            return await self._submit(conductor_pb2.PlanCall(finish=request), timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED or self._unary is False:
+                raise
+            return await self._stub.Finish(request, timeout=timeout)
+
+    async def close(self) -> None:
+        self._closed = True
+        self._stop(rpc_error(grpc.StatusCode.CANCELLED, "plan client closed"))
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+
+    # --- internals ---------------------------------------------------------------------
+
+    async def _submit(self, call: conductor_pb2.PlanCall, timeout: float | None):
+        if self._closed:
+            raise rpc_error(grpc.StatusCode.CANCELLED, "plan client closed")
+        if self._call is None:
+            self._open()
+        call.call_id = call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        self._outbox.append(call)
+        self._wake.set()
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            self._pending.pop(call_id, None)
+
+    def _open(self) -> None:
+        self._call = call = self._stub.PlanStream()
+        self.streams_opened += 1
+        self._tasks = [
+            asyncio.create_task(self._writer(call)),
+            asyncio.create_task(self._reader(call)),
+        ]
+
+    async def _writer(self, call) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if not self._outbox:
+                    continue
+                calls, self._outbox = self._outbox, []
+                await call.write(conductor_pb2.PlanStreamRequest(calls=calls))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the reader reports the stream's status
+            logger.debug("PlanStream write failed: %s", exc)
+
+    async def _reader(self, call) -> None:
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "PlanStream closed by the conductor")
+        try:
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    break
+                pending = self._pending
+                for result in message.results:
+                    future = pending.pop(result.call_id, None)
+                    if future is None or future.done():
+                        continue  # the caller timed out or was cancelled
+                    which = result.WhichOneof("result")
+                    if which == "plan":
+                        future.set_result(result.plan)
+                    elif which == "finish":
+                        future.set_result(result.finish)
+                    else:
+                        code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
+                        future.set_exception(rpc_error(code, result.error.message))
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("conductor has no PlanStream; calling Plan and Finish unary")
+                self._unary = True
+            # The stream broke (the conductor died or restarted: grpc says UNAVAILABLE
+            # or INTERNAL): to a caller that is the conductor being unavailable.
+            code = exc.code()
+            if code not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED):
+                code = grpc.StatusCode.UNAVAILABLE
+            error = rpc_error(code, f"PlanStream: {exc.code().name}: {exc.details()}")
+        except Exception as exc:
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"PlanStream failed: {exc}")
+        if self._call is call:
+            self._stop(error)
+
+    def _stop(self, error: grpc.aio.AioRpcError) -> None:
+        """Fail every call in flight; the next call opens a new stream."""
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._outbox = []
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)

@@ -1,0 +1,244 @@
+"""PlanStream and the compact Plan forms against a real conductor process and etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+
+import grpc
+import pytest
+
+from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from quillcache_core.etcd_server import find_etcd_binary
+from quillcache_core.hashing import request_blocks
+from quillcache_core.plan_client import PlanClient
+from quillcache_core.plan_wire import expand_runs, pack_hashes
+from tests.support.services import ServiceProcess, wait_until
+
+pytestmark = pytest.mark.integration
+
+MODEL, TOKENIZER, BS = "m-stream", "tok-stream", 16
+HIT = conductor_pb2.BlockAction.LOCAL_HIT
+RECOMPUTE = conductor_pb2.BlockAction.RECOMPUTE
+
+
+def put_engine(etcd, engine_id: str) -> None:
+    record = {
+        "kind": "engine",
+        "id": engine_id,
+        "address": "",
+        "locality_domain": "rack-a",
+        "base_url": f"http://127.0.0.1:1/{engine_id}",
+        "model": MODEL,
+        "tokenizer": TOKENIZER,
+    }
+    subprocess.run(
+        [
+            find_etcd_binary("etcdctl"),
+            "--endpoints",
+            etcd.endpoint,
+            "put",
+            f"/quillcache/v1/nodes/engine/{engine_id}",
+            json.dumps(record),
+        ],
+        env={**os.environ, "ETCDCTL_API": "3"},
+        capture_output=True,
+        timeout=10,
+        check=True,
+    )
+
+
+@pytest.fixture
+def conductor(etcd_server, tmp_path):
+    proc = ServiceProcess(
+        "conductor", ["--registry", etcd_server.client_url, "--seed", "3"], tmp_path
+    ).start()
+    for engine in ("e1", "e2"):
+        put_engine(etcd_server, engine)
+    client = conductor_pb2_grpc.ConductorStub(grpc.insecure_channel(proc.grpc_address))
+    wait_until(
+        lambda: len(client.Stats(conductor_pb2.StatsRequest(), timeout=5).engines) == 2,
+        what="two engines",
+    )
+    yield proc
+    proc.stop()
+
+
+def ident(tenant: str = "acme") -> common_pb2.Identity:
+    return common_pb2.Identity(model_id=MODEL, tokenizer_id=TOKENIZER, tenant_id=tenant)
+
+
+def hashes(tokens, tenant: str = "acme") -> list[str]:
+    keys = request_blocks(
+        tokens,
+        BS,
+        model_id=MODEL,
+        tokenizer_id=TOKENIZER,
+        adapter_id=None,
+        tenant_id=tenant,
+        cache_salt="",
+    )
+    return [k.block_hash for k in keys]
+
+
+def packed_request(tokens, **kw) -> conductor_pb2.PlanRequest:
+    return conductor_pb2.PlanRequest(
+        identity=ident(),
+        packed_hashes=pack_hashes(hashes(tokens)),
+        block_tokens=BS,
+        prompt_tokens=len(tokens),
+        expected_decode_tokens=8,
+        **kw,
+    )
+
+
+def test_packed_hashes_and_action_runs_plan_like_the_per_block_form(conductor):
+    tokens = list(range(40 * BS))
+
+    async def go():
+        async with grpc.aio.insecure_channel(conductor.grpc_address) as channel:
+            stub = conductor_pb2_grpc.ConductorStub(channel)
+            # The first 24 blocks become resident on e2.
+            await stub.Observe(
+                conductor_pb2.ObserveRequest(
+                    engine_id="e2",
+                    identity=ident(),
+                    blocks=[
+                        common_pb2.BlockRef(block_hash=h, token_count=BS)
+                        for h in hashes(tokens[: 24 * BS])
+                    ],
+                ),
+                timeout=5,
+            )
+            per_block = await stub.Plan(
+                conductor_pb2.PlanRequest(
+                    identity=ident(),
+                    blocks=[
+                        common_pb2.BlockRef(block_hash=h, token_count=BS) for h in hashes(tokens)
+                    ],
+                    prompt_tokens=len(tokens),
+                    expected_decode_tokens=8,
+                ),
+                timeout=5,
+            )
+            # An ERROR takes back the blocks the plan recorded optimistically on e2.
+            await stub.Finish(
+                conductor_pb2.FinishRequest(
+                    reservation_id=per_block.reservation_id,
+                    outcome=conductor_pb2.FinishRequest.ERROR,
+                ),
+                timeout=5,
+            )
+            client = PlanClient(channel)
+            runs = await client.plan(packed_request(tokens, action_runs=True), timeout=5)
+            await client.close()
+            return per_block, runs
+
+    per_block, runs = asyncio.run(go())
+    assert per_block.engine_id == runs.engine_id == "e2"
+    assert (per_block.hit_blocks, per_block.recompute_blocks) == (24, 16)
+    assert (runs.hit_blocks, runs.recompute_blocks) == (24, 16)
+    assert len(per_block.actions) == 40
+    # Two runs cover the same 40 blocks with the same kinds, in order.
+    assert [(a.kind, a.block_index, a.block_count) for a in runs.actions] == [
+        (HIT, 0, 24),
+        (RECOMPUTE, 24, 16),
+    ]
+    expanded = [(i, a.kind) for i, a in expand_runs(runs.actions)]
+    assert expanded == [(a.block_index, a.kind) for a in per_block.actions]
+    assert runs.actions[0].block_hash == per_block.actions[0].block_hash
+
+
+def test_stream_errors_carry_the_unary_status_and_the_stream_survives(conductor):
+    async def go():
+        async with grpc.aio.insecure_channel(conductor.grpc_address) as channel:
+            client = PlanClient(channel)
+            failures = []
+            for bad, code in (
+                (conductor_pb2.PlanRequest(packed_hashes=b"\x01" * 16), "INVALID_ARGUMENT"),
+                (
+                    conductor_pb2.PlanRequest(identity=ident(), packed_hashes=b"\x01" * 15),
+                    "INVALID_ARGUMENT",
+                ),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.plan(bad, timeout=5)
+                failures.append((err.value.code().name, code, err.value.details()))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.finish(
+                    conductor_pb2.FinishRequest(
+                        reservation_id="nope", outcome=conductor_pb2.FinishRequest.SUCCESS
+                    ),
+                    timeout=5,
+                )
+            failures.append((err.value.code().name, "NOT_FOUND", err.value.details()))
+            good = await client.plan(packed_request(list(range(4 * BS))), timeout=5)
+            opened = client.streams_opened
+            await client.close()
+            return failures, good, opened
+
+    failures, good, opened = asyncio.run(go())
+    for got, want, details in failures:
+        assert got == want, details
+    assert "model_id is required" in failures[0][2]
+    assert "multiple of 16" in failures[1][2]
+    assert "nope" in failures[2][2]
+    assert good.engine_id in {"e1", "e2"} and good.recompute_blocks == 4
+    assert opened == 1, "errors are per call; the stream stayed open"
+
+
+def test_many_concurrent_calls_share_one_stream_and_all_finish(conductor):
+    async def go():
+        async with grpc.aio.insecure_channel(conductor.grpc_address) as channel:
+            stub = conductor_pb2_grpc.ConductorStub(channel)
+            client = PlanClient(channel)
+            replies = await asyncio.gather(
+                *(
+                    client.plan(packed_request(list(range(n, n + 8 * BS))), timeout=10)
+                    for n in range(300)
+                )
+            )
+            open_after_plans = (
+                await stub.Stats(conductor_pb2.StatsRequest(), timeout=5)
+            ).reservations_open
+            await asyncio.gather(
+                *(
+                    client.finish(
+                        conductor_pb2.FinishRequest(
+                            reservation_id=r.reservation_id,
+                            outcome=conductor_pb2.FinishRequest.CANCELLED,
+                        ),
+                        timeout=10,
+                    )
+                    for r in replies
+                )
+            )
+            open_after_finish = (
+                await stub.Stats(conductor_pb2.StatsRequest(), timeout=5)
+            ).reservations_open
+            opened = client.streams_opened
+            await client.close()
+            return replies, open_after_plans, open_after_finish, opened
+
+    replies, open_after_plans, open_after_finish, opened = asyncio.run(go())
+    assert len({r.reservation_id for r in replies}) == 300
+    assert {r.engine_id for r in replies} == {"e1", "e2"}, "load spreads over both"
+    assert (open_after_plans, open_after_finish) == (300, 0)
+    assert opened == 1
+
+
+def test_a_dead_conductor_fails_calls_with_unavailable_instead_of_hanging(conductor):
+    async def go():
+        async with grpc.aio.insecure_channel(conductor.grpc_address) as channel:
+            client = PlanClient(channel)
+            await client.plan(packed_request(list(range(2 * BS))), timeout=5)
+            conductor.kill()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.plan(packed_request(list(range(2 * BS))), timeout=5)
+            await client.close()
+            return err.value.code()
+
+    code = asyncio.run(go())
+    assert code == grpc.StatusCode.UNAVAILABLE
