@@ -62,6 +62,121 @@ class BlockAction(NamedTuple):
     cost_us: float = 0.0
 
 
+class ActionRun(NamedTuple):
+    """Consecutive blocks with the same action and source.
+
+    `block_cost_us` is each block's cost for LOCAL_HIT and FETCH; a RECOMPUTE block
+    costs its own tokens' prefill. `cost_us` is the whole run's.
+    """
+
+    kind: ActionKind
+    first: int
+    count: int
+    source_node: str | None
+    source_tier: CacheTier | None
+    block_cost_us: float
+    cost_us: float
+
+
+class ActionRuns(Sequence[BlockAction]):
+    """A decision's per-block actions held as runs; the blocks are expanded on demand.
+
+    The conductor reads `runs` (a plan's two or three runs instead of 128 objects);
+    anything that indexes or iterates gets the same BlockActions a list would hold.
+    """
+
+    __slots__ = ("runs", "_blocks", "_per_token", "_expanded")
+
+    def __init__(self, runs: list[ActionRun], blocks: Sequence, per_token: float) -> None:
+        self.runs = runs
+        self._blocks = blocks
+        self._per_token = per_token
+        self._expanded: list[BlockAction] | None = None
+
+    def _list(self) -> list[BlockAction]:
+        if self._expanded is None:
+            blocks, make = self._blocks, BlockAction._make
+            out: list[BlockAction] = []
+            for run in self.runs:
+                span = range(run.first, run.first + run.count)
+                if run.kind is ActionKind.RECOMPUTE:
+                    per_token = self._per_token
+                    out.extend(
+                        make(
+                            (
+                                run.kind,
+                                i,
+                                blocks[i].block_hash,
+                                None,
+                                None,
+                                float(per_token * blocks[i].token_count),
+                            )
+                        )
+                        for i in span
+                    )
+                else:
+                    out.extend(
+                        make(
+                            (
+                                run.kind,
+                                i,
+                                blocks[i].block_hash,
+                                run.source_node,
+                                run.source_tier,
+                                run.block_cost_us,
+                            )
+                        )
+                        for i in span
+                    )
+            self._expanded = out
+        return self._expanded
+
+    def __len__(self) -> int:
+        return sum(run.count for run in self.runs)
+
+    def __getitem__(self, index):
+        return self._list()[index]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        return list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"ActionRuns({self.runs!r})"
+
+
+def action_runs(actions: Sequence[BlockAction]) -> list[ActionRun]:
+    """The runs of any decision's actions (ActionRuns keeps them; a list is grouped)."""
+    if isinstance(actions, ActionRuns):
+        return actions.runs
+    runs: list[ActionRun] = []
+    for action in actions:
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last.kind is action.kind
+            and last.source_node == action.source_node
+            and last.source_tier is action.source_tier
+            and last.first + last.count == action.block_index
+        ):
+            runs[-1] = last._replace(count=last.count + 1, cost_us=last.cost_us + action.cost_us)
+        else:
+            runs.append(
+                ActionRun(
+                    action.kind,
+                    action.block_index,
+                    1,
+                    action.source_node,
+                    action.source_tier,
+                    action.cost_us,
+                    action.cost_us,
+                )
+            )
+    return runs
+
+
 @dataclass(slots=True)
 class EngineCost:
     """One engine's cost breakdown in microseconds; `score` is a reference policy's own."""
@@ -83,7 +198,7 @@ class EngineCost:
 class PlanDecision:
     policy: str
     engine: WorkerState
-    actions: list[BlockAction]
+    actions: Sequence[BlockAction]  # a list, or ActionRuns
     chosen: EngineCost
     others: list[EngineCost]
     refusals: list[Refusal] = field(default_factory=list)
@@ -95,10 +210,12 @@ class PlanDecision:
 
     def recompute_tokens(self, request: RequestShape) -> int:
         """Tokens the engine must prefill: recomputed blocks plus the uncached tail."""
+        blocks = request.blocks
         reused = sum(
-            request.blocks[a.block_index].token_count
-            for a in self.actions
-            if a.kind is not ActionKind.RECOMPUTE
+            blocks[i].token_count
+            for run in action_runs(self.actions)
+            if run.kind is not ActionKind.RECOMPUTE
+            for i in range(run.first, run.first + run.count)
         )
         return request.input_tokens() - reused
 
@@ -177,51 +294,26 @@ def actions_for_prefix(
 ) -> list[BlockAction]:
     """Per-block actions: the cheapest source for blocks < prefix_blocks, then RECOMPUTE.
 
-    Prices exactly as `source_cost` (inlined: this runs for every block of every plan).
-    Local copies win ties. Stops reusing at the first block with no source (engines
-    reuse a contiguous prefix). With `local_only`, only the engine itself and its own
-    store node are sources.
+    Prices exactly as `source_cost`. Local copies win ties. Stops reusing at the first
+    block with no source (engines reuse a contiguous prefix). With `local_only`, only
+    the engine itself and its own store node are sources.
     """
-    per_mb = _per_mb(cost_model)
-    hbm_hit = float(cost_model.hbm_hit_us)
-    penalty = cost_model.cross_domain_penalty_us
-    me, own, my_domain = engine.id, engine.store_node_id, engine.locality_domain
     actions: list[BlockAction] = []
     blocks = request.blocks
     for index in range(min(prefix_blocks, len(usable), len(blocks))):
-        best_cost = math.inf
-        best: CacheResidency | None = None
-        best_local = False
-        for residency in usable[index]:
-            worker = residency.worker_id
-            tier = residency.tier
-            if worker == me:
-                mb = (residency.bytes + MIB - 1) // MIB or 1
-                cost = hbm_hit if tier is CacheTier.HBM else float(per_mb[tier] * mb)
-                if cost < best_cost or (cost == best_cost and not best_local):
-                    best_cost, best, best_local = cost, residency, True
-                continue
-            if local_only and worker != own:
-                continue
-            domain = store_domains.get(worker)
-            if domain is None:
-                continue
-            mb = (residency.bytes + MIB - 1) // MIB or 1
-            cost = float(per_mb[tier] * mb)
-            if worker != own and domain != my_domain:
-                cost += penalty
-            if cost < best_cost:
-                best_cost, best, best_local = cost, residency, False
+        cost, best, local = _best_source(
+            cost_model, engine, usable[index], store_domains, local_only
+        )
         if best is None:
             break
         actions.append(
             BlockAction(
-                ActionKind.LOCAL_HIT if best_local else ActionKind.FETCH,
+                ActionKind.LOCAL_HIT if local else ActionKind.FETCH,
                 index,
                 blocks[index].block_hash,
                 source_node=best.worker_id,
                 source_tier=best.tier,
-                cost_us=best_cost,
+                cost_us=cost,
             )
         )
     per_token = cost_model.prefill_us_per_token
@@ -236,6 +328,47 @@ def actions_for_prefix(
             )
         )
     return actions
+
+
+def _best_source(
+    cost_model: CostModel,
+    engine: WorkerState,
+    found: Sequence[CacheResidency],
+    store_domains: Mapping[str, str],
+    local_only: bool,
+) -> tuple[float, CacheResidency | None, bool]:
+    """The cheapest of one block's residencies on `engine`: (cost, residency, is local).
+
+    `source_cost`'s arithmetic inlined (it runs per block or per run of every plan).
+    """
+    per_mb = _per_mb(cost_model)
+    me, own, my_domain = engine.id, engine.store_node_id, engine.locality_domain
+    best_cost = math.inf
+    best: CacheResidency | None = None
+    best_local = False
+    for residency in found:
+        worker = residency.worker_id
+        tier = residency.tier
+        if worker == me:
+            mb = (residency.bytes + MIB - 1) // MIB or 1
+            cost = (
+                float(cost_model.hbm_hit_us) if tier is CacheTier.HBM else float(per_mb[tier] * mb)
+            )
+            if cost < best_cost or (cost == best_cost and not best_local):
+                best_cost, best, best_local = cost, residency, True
+            continue
+        if local_only and worker != own:
+            continue
+        domain = store_domains.get(worker)
+        if domain is None:
+            continue
+        mb = (residency.bytes + MIB - 1) // MIB or 1
+        cost = float(per_mb[tier] * mb)
+        if worker != own and domain != my_domain:
+            cost += cost_model.cross_domain_penalty_us
+        if cost < best_cost:
+            best_cost, best, best_local = cost, residency, False
+    return best_cost, best, best_local
 
 
 @functools.lru_cache(maxsize=64)
@@ -313,17 +446,82 @@ def _weighted_choice(weights: np.ndarray, rng: random.Random) -> int:
 # --- our planner ---------------------------------------------------------------------
 
 
+class _Layout(NamedTuple):
+    """What the planner derives from a fleet's membership (not its load)."""
+
+    engine_index: dict[str, int]
+    by_store: dict[str, list[int]]  # store node -> the engines it is local to
+    domains: dict[str, int]  # locality domain -> row
+    engine_domain: np.ndarray  # engine -> its domain's row
+
+
+def _layout(engines: Sequence[WorkerState]) -> _Layout:
+    engine_index = {w.id: i for i, w in enumerate(engines)}
+    by_store: dict[str, list[int]] = {}
+    domains: dict[str, int] = {}
+    engine_domain = np.empty(len(engines), dtype=np.intp)
+    for i, worker in enumerate(engines):
+        engine_domain[i] = domains.setdefault(worker.locality_domain, len(domains))
+        if worker.store_node_id:
+            by_store.setdefault(worker.store_node_id, []).append(i)
+    return _Layout(engine_index, by_store, domains, engine_domain)
+
+
+def block_runs(usable: Sequence[Sequence[CacheResidency]]) -> list[tuple[int, int]]:
+    """(first block, block count) of each run of blocks with the same residencies.
+
+    "Same" means the same (worker, tier, bytes) copies: every block of a run then costs
+    the same on every engine. A chain offloaded together is one run, so the planner's
+    work follows the number of runs (a handful), not the number of blocks.
+    """
+    runs: list[tuple[int, int]] = []
+    previous = None
+    first = 0
+    for index, found in enumerate(usable):
+        if len(found) == 1:
+            mark = found[0][1:4]
+        else:
+            mark = tuple(residency[1:4] for residency in found)
+        if mark != previous:
+            if index:
+                runs.append((first, index - first))
+            previous, first = mark, index
+    if usable:
+        runs.append((first, len(usable) - first))
+    return runs
+
+
 class CostPlanner(Policy):
-    """QuillCache's planner: the cost function above over every eligible engine."""
+    """QuillCache's planner: the cost function above over every eligible engine.
+
+    `alternatives` caps how many other engines get a cost breakdown in the decision
+    (None: all of them); the conductor replies with only a few.
+    """
 
     name = "quillcache"
     optimistic_residency = True
 
-    def __init__(self, cost_model: CostModel | None = None, temperature: float = 0.0) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        temperature: float = 0.0,
+        alternatives: int | None = None,
+    ) -> None:
         super().__init__(cost_model)
         if temperature < 0 or math.isnan(temperature):
             raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
         self.temperature = temperature
+        self.alternatives = alternatives
+        # The layout of the last fleet object seen: a caller that keeps its Fleet
+        # while membership is unchanged (the conductor) skips rebuilding it.
+        self._layout_of: tuple[Fleet | None, _Layout | None] = (None, None)
+
+    def _layout(self, fleet: Fleet) -> _Layout:
+        seen, layout = self._layout_of
+        if seen is not fleet or layout is None:
+            layout = _layout(fleet.engines)
+            self._layout_of = (fleet, layout)
+        return layout
 
     def plan(
         self,
@@ -332,69 +530,94 @@ class CostPlanner(Policy):
         fleet: Fleet,
         rng: random.Random,
     ) -> PlanDecision:
-        engines = list(fleet.engines)
+        engines = fleet.engines
         if not engines:
             raise NodeUnavailable("no engine available for this request")
         cm = self.cost_model
-        fetch_matrix, local_mask = self._fetch_matrix(engines, usable, fleet.store_domains)
-        width = fetch_matrix.shape[1]
+        layout = self._layout(fleet)
+        blocks = request.blocks
+        usable = usable[: len(blocks)]
+        runs = block_runs(usable)
+        run_matrix, local_mask = self._run_costs(layout, usable, runs, fleet.store_domains)
+        width = run_matrix.shape[1]  # runs up to the first block nobody holds
+        runs = runs[:width]
+        n = len(engines)
 
-        tokens = np.fromiter(
-            (key.token_count for key in request.blocks[:width]), dtype=np.float64, count=width
+        counts = [length for _, length in runs]
+        lengths = np.array(counts, dtype=np.float64)
+        tokens = np.array(
+            [sum(key.token_count for key in blocks[a : a + k]) for a, k in runs],
+            dtype=np.float64,
         )
-        reused_tokens = np.concatenate(([0.0], np.cumsum(tokens)))
+        # Costs at run boundaries: within a run the estimate is linear in the prefix
+        # length, so the best prefix always ends at a boundary.
+        boundaries = np.zeros(width + 1, dtype=np.intp)
+        np.cumsum(np.array(counts, dtype=np.intp), out=boundaries[1:])
+        reused_tokens = np.zeros(width + 1)
+        np.cumsum(tokens, out=reused_tokens[1:])
         prefill = cm.prefill_us_per_token * (request.input_tokens() - reused_tokens)
-        fetch_cum = np.zeros((len(engines), width + 1))
-        np.cumsum(fetch_matrix, axis=1, out=fetch_cum[:, 1:])
-        est = fetch_cum + prefill[None, :]
-        prefix = np.argmin(est, axis=1)
-        rows = np.arange(len(engines))
-        best = est[rows, prefix]
+        fetch_cum = np.zeros((n, width + 1))
+        np.cumsum(run_matrix * lengths, axis=1, out=fetch_cum[:, 1:])
+        est = fetch_cum + prefill
+        prefix_run = np.argmin(est, axis=1)
+        rows = np.arange(n)
+        best = est[rows, prefix_run]
 
         queue = np.array([cm.queue_cost_us(w) for w in engines], dtype=np.float64)
+        decode_tokens = request.estimated_decode_tokens
         decode = np.array(
-            [
-                cm.decode_cost_us(request.estimated_decode_tokens, w.running_decodes)
-                for w in engines
-            ],
+            [cm.decode_cost_us(decode_tokens, w.running_decodes) for w in engines],
             dtype=np.float64,
         )
         total = queue + best + decode
         chosen_index = pick_min(total, rng, self.temperature)
         engine = engines[chosen_index]
-        actions = actions_for_prefix(
-            cm, request, engine, usable, fleet.store_domains, int(prefix[chosen_index])
+        actions = _run_actions(
+            cm,
+            request,
+            engine,
+            usable,
+            fleet.store_domains,
+            runs[: int(prefix_run[chosen_index])],
         )
-        chosen = estimate(cm, request, engine, actions)
-
-        hit_cum = np.zeros((len(engines), width + 1), dtype=np.int64)
-        np.cumsum(local_mask, axis=1, out=hit_cum[:, 1:])
-        rows_k = prefix.tolist()
-        hits_k = hit_cum[rows, prefix].tolist()
-        fetch_k = fetch_cum[rows, prefix].tolist()
-        prefill_k = prefill[prefix].tolist()
+        if self.alternatives is None or self.alternatives >= n - 1:
+            picked = [i for i in range(n) if i != chosen_index]
+        else:
+            order = np.argsort(total, kind="stable")[: self.alternatives + 1].tolist()
+            picked = [i for i in order if i != chosen_index][: self.alternatives]
+        hit_cum = np.zeros((n, width + 1))
+        np.cumsum(local_mask * lengths, axis=1, out=hit_cum[:, 1:])
+        prefix_blocks = boundaries[prefix_run]
         total_l, queue_l, best_l, decode_l = (
             total.tolist(),
             queue.tolist(),
             best.tolist(),
             decode.tolist(),
         )
-        others = [
-            EngineCost(
-                engine_id=worker.id,
+        prefix_l, blocks_l, prefill_l = (
+            prefix_run.tolist(),
+            prefix_blocks.tolist(),
+            prefill.tolist(),
+        )
+
+        def cost_of(i: int) -> EngineCost:
+            k = prefix_l[i]
+            hits = int(hit_cum[i, k])
+            return EngineCost(
+                engine_id=engines[i].id,
                 cost_us=total_l[i],
                 est_ttft_us=queue_l[i] + best_l[i],
                 queue_us=queue_l[i],
-                fetch_us=fetch_k[i],
-                prefill_us=prefill_k[i],
+                fetch_us=float(fetch_cum[i, k]),
+                prefill_us=prefill_l[k],
                 decode_us=decode_l[i],
-                prefix_blocks=rows_k[i],
-                hit_blocks=hits_k[i],
-                fetch_blocks=rows_k[i] - hits_k[i],
+                prefix_blocks=blocks_l[i],
+                hit_blocks=hits,
+                fetch_blocks=blocks_l[i] - hits,
             )
-            for i, worker in enumerate(engines)
-            if i != chosen_index
-        ]
+
+        chosen = cost_of(chosen_index)
+        others = [cost_of(i) for i in picked]
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "plan %s -> %s cost=%.0f queue=%.0f fetch=%.0f prefill=%.0f decode=%.0f "
@@ -413,47 +636,41 @@ class CostPlanner(Policy):
             )
         return PlanDecision(self.name, engine, actions, chosen, others)
 
-    def _fetch_matrix(
+    def _run_costs(
         self,
-        engines: Sequence[WorkerState],
+        layout: _Layout,
         usable: Sequence[Sequence[CacheResidency]],
+        runs: Sequence[tuple[int, int]],
         store_domains: Mapping[str, str],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Per engine and block, the cheapest way to make the block usable (inf: none).
+        """Per engine and run, the cheapest per-block cost of making it usable (inf: none).
 
-        Only blocks up to the first one with no source anywhere are columns: no engine
+        Only runs up to the first block with no source anywhere are columns: no engine
         can reuse past it. Store-node sources are priced per locality domain once and
         broadcast to the engines of that domain; engine-local copies and an engine's
         own store node are applied as sparse overrides. Also returns, per cell,
         whether the best source is the engine itself (a local hit).
         """
         cm = self.cost_model
-        engine_index = {w.id: i for i, w in enumerate(engines)}
-        by_store: dict[str, list[int]] = {}
-        domains: dict[str, int] = {}
-        engine_domain = np.empty(len(engines), dtype=np.intp)
-        for i, worker in enumerate(engines):
-            engine_domain[i] = domains.setdefault(worker.locality_domain, len(domains))
-            if worker.store_node_id:
-                by_store.setdefault(worker.store_node_id, []).append(i)
+        engine_index, by_store, domains, engine_domain = layout
         per_mb = _per_mb(cm)
         hbm_hit = float(cm.hbm_hit_us)
         penalty = cm.cross_domain_penalty_us
         inf = math.inf
+        n_domains = len(domains)
 
         # Python-level minima per cell first; numpy gets each cell once.
         domain_cells: dict[tuple[int, int], float] = {}
         cross: list[float] = []
         engine_cells: dict[tuple[int, int], tuple[float, bool]] = {}
         width = 0
-        for found in usable:
+        for first, _length in runs:
             col = width
             cross_best = inf
             any_source = False
-            for residency in found:
+            for residency in usable[first]:
                 worker = residency.worker_id
-                nbytes = residency.bytes
-                mb = (nbytes + MIB - 1) // MIB or 1
+                mb = (residency.bytes + MIB - 1) // MIB or 1
                 owner = engine_index.get(worker)
                 if owner is not None:
                     any_source = True
@@ -486,11 +703,12 @@ class CostPlanner(Policy):
             cross.append(cross_best)
             width += 1
 
-        per_domain = np.full((len(domains), width), inf)
+        per_domain = np.full((n_domains, width), inf)
         if domain_cells:
             cells = np.array(list(domain_cells), dtype=np.intp)
             per_domain[cells[:, 0], cells[:, 1]] = list(domain_cells.values())
-        per_domain = np.minimum(per_domain, np.array(cross)[None, :]) if width else per_domain
+        cross_costs = np.array(cross)
+        per_domain = np.minimum(per_domain, cross_costs) if width else per_domain
         matrix = per_domain[engine_domain]
         local = np.zeros(matrix.shape, dtype=bool)
         if engine_cells:
@@ -503,3 +721,39 @@ class CostPlanner(Policy):
             matrix[cells[wins, 0], cells[wins, 1]] = costs[wins]
             local[cells[wins, 0], cells[wins, 1]] = flags[wins]
         return matrix, local
+
+
+def _run_actions(
+    cm: CostModel,
+    request: RequestShape,
+    engine: WorkerState,
+    usable: Sequence[Sequence[CacheResidency]],
+    store_domains: Mapping[str, str],
+    runs: Sequence[tuple[int, int]],
+) -> ActionRuns:
+    """`actions_for_prefix` for a prefix made of whole runs: one source choice per run."""
+    blocks = request.blocks
+    out: list[ActionRun] = []
+    reused = 0
+    for first, length in runs:
+        cost, best, local = _best_source(cm, engine, usable[first], store_domains, False)
+        if best is None:  # cannot happen for a prefix the matrix priced finite
+            break
+        kind = ActionKind.LOCAL_HIT if local else ActionKind.FETCH
+        out.append(ActionRun(kind, first, length, best.worker_id, best.tier, cost, cost * length))
+        reused = first + length
+    if reused < len(blocks):
+        per_token = cm.prefill_us_per_token
+        tokens = sum(key.token_count for key in blocks[reused:])
+        out.append(
+            ActionRun(
+                ActionKind.RECOMPUTE,
+                reused,
+                len(blocks) - reused,
+                None,
+                None,
+                0.0,
+                float(per_token * tokens),
+            )
+        )
+    return ActionRuns(out, blocks, cm.prefill_us_per_token)

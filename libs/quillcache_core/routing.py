@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 from quillcache_core.guard import audit_reuse
 from quillcache_core.index.base import IndexBackend
@@ -16,12 +17,27 @@ def plan_request(
     request: RequestShape,
     fleet: Fleet,
     rng: random.Random,
+    overlay: Mapping[str, list[CacheResidency]] | None = None,
 ) -> PlanDecision:
     """Look up only this request's blocks, refuse other identities, then choose.
 
     The decision carries the guard's refusals; refused residencies never reach the policy.
+    `overlay` adds residencies the index does not hold (the conductor's optimistic
+    records), by block hash. The lookup stops at the first block held nowhere: a
+    chained prefix cannot be reused past it, so the policies never look further
+    (`decision.usable` is then shorter than the request's blocks).
     """
     located = index.locate_hashes([key.block_hash for key in request.blocks])
+    if overlay:
+        get = overlay.get
+        for i, key in enumerate(request.blocks):
+            extra = get(key.block_hash)
+            if extra:
+                located[i] = [*located[i], *extra]
+    for i, found in enumerate(located):
+        if not found:
+            del located[i:]
+            break
     audit = audit_reuse(request.scope(), located)
     decision = policy.plan(request, audit.usable, fleet, rng)
     decision.refusals = audit.refusals

@@ -42,6 +42,9 @@ class ConductorServer:
         self.index = open_index(config.index_backend, config.index_path or None, sync_commits=False)
         cost_model = CostModel() if config.seed_queue_cost else CostModel().queue_at_prefill_speed()
         policy = make_policy(config.policy, cost_model, config.temperature)
+        if hasattr(policy, "alternatives"):
+            # Replies list this many other engines: cost out no more than that.
+            policy.alternatives = config.plan_alternatives
         self.state = ConductorState(
             self.index,
             policy,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from collections import Counter
 from itertools import count, repeat
 
 import grpc
@@ -17,7 +16,7 @@ from quillcache_core.errors import InvalidArgument, QuillCacheError
 from quillcache_core.hashing import ROOT_PARENT
 from quillcache_core.model import CacheTier, IdentityScope, KvBlockKey, RequestShape, SloTarget
 from quillcache_core.plan_wire import unpack_hashes
-from quillcache_core.planner import ActionKind
+from quillcache_core.planner import ActionKind, action_runs
 from quillcache_core.rpc import status_for, unary_errors
 
 logger = logging.getLogger(__name__)
@@ -83,18 +82,6 @@ def _chain_keys(scope: IdentityScope, hashes: list[str], counts) -> list[KvBlock
     )
 
 
-def _add_run(add, run, cost: float, source: dict) -> None:
-    (kind, _node, _tier), first, length = run
-    add(
-        kind=KIND_TO_PROTO[kind._name_],
-        block_index=first.block_index,
-        block_hash=first.block_hash,
-        block_count=length,
-        cost_us=int(cost),
-        **source,
-    )
-
-
 def _cost_to_proto(cost) -> conductor_pb2.EngineCost:
     return conductor_pb2.EngineCost(
         engine_id=cost.engine_id,
@@ -153,6 +140,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 raise InvalidArgument("set blocks or packed_hashes, not both")
             keys = self._packed_keys(scope, request.packed_hashes, request.block_tokens, "Plan")
             block_bytes = request.block_bytes or self.state.default_block_bytes
+            total = len(keys) * (request.block_tokens or 16)
         else:
             if not request.blocks and request.prompt_tokens == 0:
                 raise InvalidArgument("blocks is empty and prompt_tokens is 0: nothing to plan")
@@ -162,6 +150,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 if request.blocks and request.blocks[0].bytes
                 else self.state.default_block_bytes
             )
+            total = sum(key.token_count for key in keys)
         slo = SloTarget(ttft_ms=request.slo.ttft_ms or 800, tpot_ms=request.slo.tpot_ms or 80)
         shape = RequestShape(
             id=request.request_id or "",
@@ -174,10 +163,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             slo=slo,
             prompt_tokens=request.prompt_tokens,
             block_bytes=block_bytes,
+            block_tokens_total=total,
         )
         outcome = self.state.plan(shape, request.exclude_engines)
         decision = outcome.decision
-        counts = Counter(action.kind for action in decision.actions)
+        chosen = decision.chosen
+        request_blocks = shape.blocks
         reply = conductor_pb2.PlanResponse(
             reservation_id=outcome.reservation_id,
             engine_id=decision.engine.id,
@@ -198,12 +189,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 for r in decision.refusals
             ],
             policy=decision.policy,
-            hit_blocks=counts[ActionKind.LOCAL_HIT],
-            fetch_blocks=counts[ActionKind.FETCH],
-            recompute_blocks=counts[ActionKind.RECOMPUTE],
+            # Every policy's `chosen` is our estimate of its actions: exact counts.
+            hit_blocks=chosen.hit_blocks,
+            fetch_blocks=chosen.fetch_blocks,
+            recompute_blocks=len(request_blocks) - chosen.prefix_blocks,
         )
         if request.action_runs:
-            self._add_runs(reply, decision.actions)
+            self._add_runs(reply, decision.actions, request_blocks)
         else:
             self._add_actions(reply, decision.actions)
         reply.plan_us = int((time.perf_counter() - start) * 1e6)
@@ -231,23 +223,18 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 **self._source(action),
             )
 
-    def _add_runs(self, reply, actions) -> None:
+    def _add_runs(self, reply, actions, blocks) -> None:
         """One action per run of blocks with the same kind, source node and tier."""
         add = reply.actions.add
-        run = None
-        cost = 0.0
-        for action in actions:
-            mark = (action.kind, action.source_node, action.source_tier)
-            if run is not None and mark == run[0]:
-                run[2] += 1
-                cost += action.cost_us
-                continue
-            if run is not None:
-                _add_run(add, run, cost, self._source(run[1]))
-            run = [mark, action, 1]
-            cost = action.cost_us
-        if run is not None:
-            _add_run(add, run, cost, self._source(run[1]))
+        for run in action_runs(actions):
+            add(
+                kind=KIND_TO_PROTO[run.kind._name_],
+                block_index=run.first,
+                block_hash=blocks[run.first].block_hash,
+                block_count=run.count,
+                cost_us=int(run.cost_us),
+                **self._source(run),
+            )
 
     @unary_errors
     async def Finish(self, request, context):

@@ -24,9 +24,9 @@ from quillcache_core.model import (
     RequestShape,
     WorkerState,
 )
-from quillcache_core.planner import Fleet, PlanDecision, Policy
+from quillcache_core.planner import Fleet, PlanDecision, Policy, action_runs
 from quillcache_core.registry import NodeRecord
-from quillcache_core.routing import plan_request, record_optimistic
+from quillcache_core.routing import plan_request
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ class Reservation:
     created_s: float
     expires_s: float
     prefill_released: bool = False
-    # Blocks recorded on the engine at plan time; taken back if the request fails.
-    optimistic: list[str] = field(default_factory=list)
+    # Blocks recorded on the engine at plan time (in the state's overlay); made
+    # resident on success, taken back if the request fails or expires.
+    optimistic: list[CacheResidency] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -100,6 +101,14 @@ class ConductorState:
         self.engines: dict[str, EngineInfo] = {}
         self.stores: dict[str, NodeRecord] = {}
         self.reservations: dict[str, Reservation] = {}
+        # Block hash -> optimistic records of open reservations: what a planned request
+        # is about to put in its engine's HBM, visible to the next plans at once.
+        # Kept beside the index because most are taken back or replaced by the
+        # engine's own events within seconds, and an overlay entry costs a tenth
+        # of an index record.
+        self.optimistic: dict[str, list[CacheResidency]] = {}
+        # Eligible engines per (model, excluded engines); dropped on any join or leave.
+        self._fleets: dict[tuple[str, tuple[str, ...]], Fleet] = {}
         self._prefill_due: list[tuple[float, str]] = []
         self._expiry: list[tuple[float, str]] = []
         self.counters = Counters()
@@ -107,6 +116,7 @@ class ConductorState:
     # --- fleet -------------------------------------------------------------------
 
     def engine_joined(self, record: NodeRecord) -> None:
+        self._fleets.clear()
         info = self.engines.get(record.id)
         if info is None:
             state = WorkerState(id=record.id, locality_domain=record.locality_domain)
@@ -124,14 +134,16 @@ class ConductorState:
 
     def engine_left(self, engine_id: str) -> int:
         """Forget an engine: its residency is dropped and no plan names it again."""
+        self._fleets.clear()
         self.engines.pop(engine_id, None)
         dropped = self.index.clear_worker(engine_id)
         for res_id in [r.id for r in self.reservations.values() if r.engine_id == engine_id]:
-            del self.reservations[res_id]
+            self._forget_optimistic(self.reservations.pop(res_id))
         logger.info("engine %s left; dropped %d residency records", engine_id, dropped)
         return dropped
 
     def store_joined(self, record: NodeRecord) -> None:
+        self._fleets.clear()
         if record.id not in self.stores:
             logger.info(
                 "store %s joined (%s, %s)", record.id, record.address, record.locality_domain
@@ -139,6 +151,7 @@ class ConductorState:
         self.stores[record.id] = record
 
     def store_left(self, store_id: str) -> int:
+        self._fleets.clear()
         self.stores.pop(store_id, None)
         dropped = self.index.clear_worker(store_id)
         logger.info("store %s left; dropped %d residency records", store_id, dropped)
@@ -151,21 +164,8 @@ class ConductorState:
         self._check_request(request)
         now = self.clock()
         self._release_due(now)
-        excluded = set(exclude)
-        engines = [
-            info.state
-            for info in self.engines.values()
-            if info.state.id not in excluded and _serves(info.record, request.model_id)
-        ]
-        if not engines:
-            raise NodeUnavailable(
-                f"no engine available for model {request.model_id!r}"
-                + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else "")
-            )
-        store_domains = {sid: rec.locality_domain for sid, rec in self.stores.items()}
-        decision = plan_request(
-            self.index, self.policy, request, Fleet(engines, store_domains), self.rng
-        )
+        fleet = self._fleet(request.model_id, exclude)
+        decision = plan_request(self.index, self.policy, request, fleet, self.rng, self.optimistic)
         self.counters.plans += 1
         self.counters.guard_refusals += len(decision.refusals)
         worker = decision.engine
@@ -179,7 +179,7 @@ class ConductorState:
             expires_s=now + self.reservation_ttl_s,
         )
         if self.policy.optimistic_residency:
-            res.optimistic = record_optimistic(self.index, decision, request, request.block_bytes)
+            res.optimistic = self._record_optimistic(decision, request)
         self.reservations[res.id] = res
         worker.inflight_requests += 1
         worker.running_decodes += 1
@@ -189,6 +189,34 @@ class ConductorState:
         heapq.heappush(self._expiry, (res.expires_s, res.id))
         return PlanOutcome(res.id, decision)
 
+    def _fleet(self, model_id: str, exclude: Sequence[str]) -> Fleet:
+        """The engines eligible for a model; the same object until membership changes.
+
+        The planner derives its layout once per Fleet object, so keeping it saves a
+        pass over every engine per plan. Load lives in the WorkerStates it shares.
+        """
+        cache_key = (model_id, tuple(sorted(exclude)) if exclude else ())
+        fleet = self._fleets.get(cache_key)
+        if fleet is not None:
+            return fleet
+        excluded = set(exclude)
+        engines = [
+            info.state
+            for info in self.engines.values()
+            if info.state.id not in excluded and _serves(info.record, model_id)
+        ]
+        if not engines:
+            raise NodeUnavailable(
+                f"no engine available for model {model_id!r}"
+                + (f" (excluded: {', '.join(sorted(excluded))})" if excluded else "")
+            )
+        store_domains = {sid: rec.locality_domain for sid, rec in self.stores.items()}
+        fleet = Fleet(engines, store_domains)
+        if len(self._fleets) >= 256:  # exclusions are per failed request: bounded cache
+            self._fleets.clear()
+        self._fleets[cache_key] = fleet
+        return fleet
+
     def finish(self, reservation_id: str, outcome: str) -> str:
         """Release a reservation; returns its engine. NotFound if unknown (finished or expired)."""
         if outcome not in OUTCOMES:
@@ -197,8 +225,10 @@ class ConductorState:
         if res is None:
             raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
         self._release(res)
-        if outcome != "success":
-            self._forget_optimistic(res)
+        if outcome == "success" and res.optimistic and res.engine_id in self.engines:
+            # The engine has computed them now: they are resident until it says otherwise.
+            self.index.put_many(res.optimistic)
+        self._forget_optimistic(res)
         self.counters.finishes[outcome] += 1
         return res.engine_id
 
@@ -297,9 +327,45 @@ class ConductorState:
                 self.counters.reservations_expired += 1
                 logger.info("reservation %s on %s expired without Finish", res.id, res.engine_id)
 
+    def _record_optimistic(self, decision: PlanDecision, request: RequestShape) -> list:
+        """Overlay records for the request's blocks not already in its engine's HBM."""
+        engine = decision.engine.id
+        hbm = CacheTier.HBM
+        held = [
+            range(run.first, run.first + run.count)
+            for run in action_runs(decision.actions)
+            if run.source_tier is hbm and run.source_node == engine
+        ]
+        nbytes = request.block_bytes
+        overlay = self.optimistic
+        records = []
+        make = CacheResidency._make
+        for i, key in enumerate(request.blocks):
+            if held and any(i in span for span in held):
+                continue
+            record = make((key, engine, hbm, nbytes, 0, 0, False))
+            records.append(record)
+            found = overlay.get(key.block_hash)
+            if found is None:
+                overlay[key.block_hash] = [record]
+            else:
+                found.append(record)
+        return records
+
     def _forget_optimistic(self, res: Reservation) -> None:
-        for block_hash in res.optimistic:
-            self.index.remove_tier(res.engine_id, block_hash, CacheTier.HBM)
+        overlay = self.optimistic
+        for record in res.optimistic:
+            found = overlay.get(record.key.block_hash)
+            if found is None:
+                continue
+            if len(found) == 1:
+                if found[0] is record:
+                    del overlay[record.key.block_hash]
+                continue
+            for i, other in enumerate(found):
+                if other is record:
+                    del found[i]
+                    break
         res.optimistic = []
 
     def _release_prefill(self, res: Reservation) -> None:
