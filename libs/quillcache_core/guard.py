@@ -36,6 +36,13 @@ def audit_reuse(scope: IdentityScope, located: Sequence[Sequence[CacheResidency]
     """
     # A key's first four fields are its identity: one tuple comparison per residency.
     want = (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id)
+    # The rule is that everything matches (hashes fold in the identity): one flat
+    # pass decides, and the located lists are then usable as they are.
+    if all(residency[0][:4] == want for found in located for residency in found):
+        return ReuseAudit(
+            usable=[found if isinstance(found, list) else list(found) for found in located],
+            refusals=[],
+        )
     usable: list[list[CacheResidency]] = []
     refusals: list[Refusal] = []
     for index, found in enumerate(located):

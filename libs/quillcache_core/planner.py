@@ -27,6 +27,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import NamedTuple
 
 import numpy as np
@@ -170,7 +171,7 @@ def action_runs(actions: Sequence[BlockAction]) -> list[ActionRun]:
                     1,
                     action.source_node,
                     action.source_tier,
-                    action.cost_us,
+                    0.0 if action.kind is ActionKind.RECOMPUTE else action.cost_us,
                     action.cost_us,
                 )
             )
@@ -467,6 +468,21 @@ def _layout(engines: Sequence[WorkerState]) -> _Layout:
     return _Layout(engine_index, by_store, domains, engine_domain)
 
 
+def _load_costs(
+    cm: CostModel, engines: Sequence[WorkerState], decode_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per engine, queue and decode cost: CostModel's formulas over load columns."""
+    if type(cm) is not CostModel:  # a subclass may price load its own way
+        queue = [cm.queue_cost_us(w) for w in engines]
+        decode = [cm.decode_cost_us(decode_tokens, w.running_decodes) for w in engines]
+        return np.array(queue, dtype=np.float64), np.array(decode, dtype=np.float64)
+    queued = np.array([w.queued_prefill_tokens for w in engines], dtype=np.float64)
+    running = np.array([w.running_decodes for w in engines], dtype=np.float64)
+    queue = cm.queue_us_per_prefill_token * queued
+    decode = cm.decode_us_per_token * decode_tokens + cm.running_decode_penalty_us * running
+    return queue, decode
+
+
 def block_runs(usable: Sequence[Sequence[CacheResidency]]) -> list[tuple[int, int]]:
     """(first block, block count) of each run of blocks with the same residencies.
 
@@ -481,7 +497,7 @@ def block_runs(usable: Sequence[Sequence[CacheResidency]]) -> list[tuple[int, in
         if len(found) == 1:
             mark = found[0][1:4]
         else:
-            mark = tuple(residency[1:4] for residency in found)
+            mark = tuple([residency[1:4] for residency in found])
         if mark != previous:
             if index:
                 runs.append((first, index - first))
@@ -545,16 +561,13 @@ class CostPlanner(Policy):
 
         counts = [length for _, length in runs]
         lengths = np.array(counts, dtype=np.float64)
-        tokens = np.array(
-            [sum(key.token_count for key in blocks[a : a + k]) for a, k in runs],
-            dtype=np.float64,
-        )
+        # Tokens before each block boundary (blocks usually all hold 16).
+        token_cum = [0, *accumulate(key.token_count for key in blocks)]
         # Costs at run boundaries: within a run the estimate is linear in the prefix
         # length, so the best prefix always ends at a boundary.
         boundaries = np.zeros(width + 1, dtype=np.intp)
         np.cumsum(np.array(counts, dtype=np.intp), out=boundaries[1:])
-        reused_tokens = np.zeros(width + 1)
-        np.cumsum(tokens, out=reused_tokens[1:])
+        reused_tokens = np.array([token_cum[b] for b in boundaries.tolist()], dtype=np.float64)
         prefill = cm.prefill_us_per_token * (request.input_tokens() - reused_tokens)
         fetch_cum = np.zeros((n, width + 1))
         np.cumsum(run_matrix * lengths, axis=1, out=fetch_cum[:, 1:])
@@ -563,12 +576,7 @@ class CostPlanner(Policy):
         rows = np.arange(n)
         best = est[rows, prefix_run]
 
-        queue = np.array([cm.queue_cost_us(w) for w in engines], dtype=np.float64)
-        decode_tokens = request.estimated_decode_tokens
-        decode = np.array(
-            [cm.decode_cost_us(decode_tokens, w.running_decodes) for w in engines],
-            dtype=np.float64,
-        )
+        queue, decode = _load_costs(cm, engines, request.estimated_decode_tokens)
         total = queue + best + decode
         chosen_index = pick_min(total, rng, self.temperature)
         engine = engines[chosen_index]
@@ -579,6 +587,7 @@ class CostPlanner(Policy):
             usable,
             fleet.store_domains,
             runs[: int(prefix_run[chosen_index])],
+            token_cum,
         )
         if self.alternatives is None or self.alternatives >= n - 1:
             picked = [i for i in range(n) if i != chosen_index]
@@ -730,8 +739,12 @@ def _run_actions(
     usable: Sequence[Sequence[CacheResidency]],
     store_domains: Mapping[str, str],
     runs: Sequence[tuple[int, int]],
+    token_cum: Sequence[int],
 ) -> ActionRuns:
-    """`actions_for_prefix` for a prefix made of whole runs: one source choice per run."""
+    """`actions_for_prefix` for a prefix made of whole runs: one source choice per run.
+
+    `token_cum[i]` is the token count of blocks before block i.
+    """
     blocks = request.blocks
     out: list[ActionRun] = []
     reused = 0
@@ -744,7 +757,7 @@ def _run_actions(
         reused = first + length
     if reused < len(blocks):
         per_token = cm.prefill_us_per_token
-        tokens = sum(key.token_count for key in blocks[reused:])
+        tokens = token_cum[len(blocks)] - token_cum[reused]
         out.append(
             ActionRun(
                 ActionKind.RECOMPUTE,

@@ -262,7 +262,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 observe = self._keys(
                     scope_from_proto(request.identity), request.observe_blocks, "Finish"
                 )
-        engine_id = self.state.finish(request.reservation_id, outcome)
+        engine_id = self.state.finish(request.reservation_id, outcome, promote=not observe)
         if observe and engine_id in self.state.engines:
             self.state.observe(engine_id, observe)
         return conductor_pb2.FinishResponse(released=True)

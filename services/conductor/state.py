@@ -217,15 +217,19 @@ class ConductorState:
         self._fleets[cache_key] = fleet
         return fleet
 
-    def finish(self, reservation_id: str, outcome: str) -> str:
-        """Release a reservation; returns its engine. NotFound if unknown (finished or expired)."""
+    def finish(self, reservation_id: str, outcome: str, promote: bool = True) -> str:
+        """Release a reservation; returns its engine. NotFound if unknown (finished or expired).
+
+        On success its optimistic records become index records, unless `promote` is
+        False (the caller is about to record the request's blocks itself).
+        """
         if outcome not in OUTCOMES:
             raise InvalidArgument(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
         res = self.reservations.pop(reservation_id, None)
         if res is None:
             raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
         self._release(res)
-        if outcome == "success" and res.optimistic and res.engine_id in self.engines:
+        if promote and outcome == "success" and res.optimistic and res.engine_id in self.engines:
             # The engine has computed them now: they are resident until it says otherwise.
             self.index.put_many(res.optimistic)
         self._forget_optimistic(res)
@@ -331,17 +335,16 @@ class ConductorState:
         """Overlay records for the request's blocks not already in its engine's HBM."""
         engine = decision.engine.id
         hbm = CacheTier.HBM
-        held = [
-            range(run.first, run.first + run.count)
-            for run in action_runs(decision.actions)
-            if run.source_tier is hbm and run.source_node == engine
-        ]
+        held: set[int] = set()
+        for run in action_runs(decision.actions):
+            if run.source_tier is hbm and run.source_node == engine:
+                held.update(range(run.first, run.first + run.count))
         nbytes = request.block_bytes
         overlay = self.optimistic
         records = []
         make = CacheResidency._make
         for i, key in enumerate(request.blocks):
-            if held and any(i in span for span in held):
+            if i in held:
                 continue
             record = make((key, engine, hbm, nbytes, 0, 0, False))
             records.append(record)
