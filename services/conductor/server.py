@@ -37,9 +37,12 @@ FLUSH_S = 1.0
 class ConductorServer:
     def __init__(self, config: ConductorConfig) -> None:
         self.config = config
-        # Residency is a routing hint the engines' events rebuild: commits are flushed
-        # every second by the tick, not fsynced one by one inside Plan.
-        self.index = open_index(config.index_backend, config.index_path or None, sync_commits=False)
+        # Residency is a routing hint the engines' events rebuild: Plan and the event
+        # path read and write an in-memory copy; lmdb gets the writes, batched, when
+        # the tick flushes every second.
+        self.index = open_index(
+            config.index_backend, config.index_path or None, sync_commits=False, mirror=True
+        )
         cost_model = CostModel() if config.seed_queue_cost else CostModel().queue_at_prefill_speed()
         policy = make_policy(config.policy, cost_model, config.temperature)
         if hasattr(policy, "alternatives"):

@@ -6,18 +6,23 @@ from quillcache_core.errors import InvalidArgument
 from quillcache_core.index.base import IndexBackend
 from quillcache_core.index.lmdb_index import LmdbIndex
 from quillcache_core.index.memory import MemoryIndex
+from quillcache_core.index.mirrored import MirroredIndex
 
-__all__ = ["IndexBackend", "LmdbIndex", "MemoryIndex", "open_index"]
+__all__ = ["IndexBackend", "LmdbIndex", "MemoryIndex", "MirroredIndex", "open_index"]
 
 BACKENDS = ("memory", "lmdb")
 
 
-def open_index(backend: str, path: str | None = None, *, sync_commits: bool = True) -> IndexBackend:
+def open_index(
+    backend: str, path: str | None = None, *, sync_commits: bool = True, mirror: bool = False
+) -> IndexBackend:
     """Open the index backend named `backend` ("memory" or "lmdb", any case).
 
     "lmdb" needs `path`, the environment directory (created if missing); "memory"
     ignores it. `sync_commits=False` lets lmdb skip the fsync per commit (see
-    LmdbIndex.flush). Raises InvalidArgument for an unknown name or lmdb without a path.
+    LmdbIndex.flush). With `mirror`, lmdb is served from an in-memory copy and
+    written at flush() (MirroredIndex). Raises InvalidArgument for an unknown name or
+    lmdb without a path.
     """
     name = str(backend).strip().lower()
     if name == "memory":
@@ -25,7 +30,8 @@ def open_index(backend: str, path: str | None = None, *, sync_commits: bool = Tr
     if name == "lmdb":
         if not path:
             raise InvalidArgument("index backend 'lmdb' needs a path (the environment directory)")
-        return LmdbIndex(path, sync_commits=sync_commits)
+        durable = LmdbIndex(path, sync_commits=sync_commits)
+        return MirroredIndex(durable) if mirror else durable
     raise InvalidArgument(
         f"unknown index backend {backend!r}; expected one of: {', '.join(BACKENDS)}"
     )

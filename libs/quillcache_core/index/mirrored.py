@@ -1,0 +1,143 @@
+"""A persistent index served from memory: reads never touch the disk.
+
+The conductor's Plan reads 128 hashes per request and its event path writes every
+block an engine stores. With the lmdb backend read directly, each located hash is a
+B-tree cursor walk plus decoding the record into Python objects, and each write is a
+transaction; both sit on the event loop. `MirroredIndex` keeps a `MemoryIndex` copy
+that answers every read and applies every write at once, and queues the writes for
+the durable backend, which gets them in order, batched, when `flush()` runs (the
+conductor flushes once a second, off the event loop). At start the copy is loaded
+from the durable backend, so a restarted conductor plans with everything that was
+flushed. A crash loses at most the writes since the last flush, as with
+`sync_commits=False` before; the durable backend itself stays consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.memory import MemoryIndex
+from quillcache_core.model import CacheResidency, IdentityScope, IndexMetrics, KvBlockKey
+
+
+class MirroredIndex(IndexBackend):
+    """`durable` behind an in-memory copy; see the module docstring."""
+
+    def __init__(self, durable: IndexBackend) -> None:
+        self._durable = durable
+        self._memory = MemoryIndex()
+        self._memory.put_many(durable.snapshot())
+        # Writes not yet applied to `durable`, in order: (method name, args).
+        self._pending: list[tuple[str, tuple]] = []
+        self._pending_lock = threading.Lock()
+        self._drain_lock = threading.RLock()
+        self.name = durable.name
+
+    @property
+    def persistent(self) -> bool:
+        return self._durable.persistent
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending)
+
+    def _queue(self, op: str, *args) -> None:
+        with self._pending_lock:
+            self._pending.append((op, args))
+
+    # --- writes: memory now, durable at flush ------------------------------------------
+
+    def put(self, residency: CacheResidency) -> None:
+        self._memory.put(residency)
+        self._queue_puts([residency])
+
+    def put_many(self, residencies: Iterable[CacheResidency]) -> None:
+        batch = residencies if isinstance(residencies, list) else list(residencies)
+        if not batch:
+            return
+        self._memory.put_many(batch)
+        self._queue_puts(batch)
+
+    def _queue_puts(self, batch: list[CacheResidency]) -> None:
+        with self._pending_lock:
+            pending = self._pending
+            if pending and pending[-1][0] == "put_many":
+                pending[-1][1][0].extend(batch)  # one transaction for consecutive puts
+            else:
+                pending.append(("put_many", (list(batch),)))
+
+    def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
+        removed = self._memory.remove_block(scope, worker_id, block_hash)
+        if removed:
+            self._queue("remove_block", scope, worker_id, block_hash)
+        return removed
+
+    def remove_tier(self, worker_id: str, block_hash: str, tier: object) -> int:
+        removed = self._memory.remove_tier(worker_id, block_hash, tier)
+        if removed:
+            self._queue("remove_tier", worker_id, block_hash, tier)
+        return removed
+
+    def clear_worker(self, worker_id: str) -> int:
+        removed = self._memory.clear_worker(worker_id)
+        self._queue("clear_worker", worker_id)
+        return removed
+
+    def clear(self) -> None:
+        self._memory.clear()
+        with self._pending_lock:
+            self._pending = [("clear", ())]  # earlier writes are moot
+
+    # --- reads: memory only ------------------------------------------------------------
+
+    def locate(self, key: KvBlockKey) -> list[CacheResidency]:
+        return self._memory.locate(key)
+
+    def locate_hash(self, block_hash: str) -> list[CacheResidency]:
+        return self._memory.locate_hash(block_hash)
+
+    def locate_hashes(self, block_hashes) -> list[list[CacheResidency]]:
+        return self._memory.locate_hashes(block_hashes)
+
+    def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
+        return self._memory.prefix_scan(scope, prefix_hash)
+
+    def snapshot(self) -> list[CacheResidency]:
+        return self._memory.snapshot()
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+    def worker_block_count(self, worker_id: str) -> int:
+        return self._memory.worker_block_count(worker_id)
+
+    def metrics(self) -> IndexMetrics:
+        return self._memory.metrics()
+
+    # --- durability --------------------------------------------------------------------
+
+    def drain(self) -> int:
+        """Apply the queued writes to the durable backend, in order; returns how many.
+
+        Safe to call from another thread while the owner keeps writing: the queue is
+        swapped under a lock and only the draining thread touches the durable backend.
+        """
+        with self._drain_lock:
+            with self._pending_lock:
+                ops, self._pending = self._pending, []
+            durable = self._durable
+            for op, args in ops:
+                getattr(durable, op)(*args)
+            return len(ops)
+
+    def flush(self) -> None:
+        """Apply every queued write and make it durable."""
+        with self._drain_lock:
+            self.drain()
+            self._durable.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._durable.close()

@@ -1,0 +1,119 @@
+"""MirroredIndex: reads from memory, writes reach lmdb in order at flush, reopen restores."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from quillcache_core.index import LmdbIndex, MemoryIndex, MirroredIndex, open_index
+from quillcache_core.model import CacheResidency, CacheTier
+from tests.unit.factories import make_request
+
+pytestmark = pytest.mark.unit
+
+KEYS = make_request(6).blocks + make_request(4, tenant="globex").blocks
+WORKERS = ("e0", "e1", "s0")
+TIERS = (CacheTier.HBM, CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD)
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("put"),
+            st.sampled_from(range(len(KEYS))),
+            st.sampled_from(WORKERS),
+            st.sampled_from(TIERS),
+        ),
+        st.tuples(
+            st.just("remove_tier"),
+            st.sampled_from(range(len(KEYS))),
+            st.sampled_from(WORKERS),
+            st.sampled_from(TIERS),
+        ),
+        st.tuples(
+            st.just("remove_block"), st.sampled_from(range(len(KEYS))), st.sampled_from(WORKERS)
+        ),
+        st.tuples(st.just("clear_worker"), st.sampled_from(WORKERS)),
+        st.tuples(st.just("flush")),
+    ),
+    max_size=40,
+)
+
+
+def _apply(index, op) -> object:
+    name = op[0]
+    if name == "put":
+        key = KEYS[op[1]]
+        return index.put(CacheResidency(key, op[2], op[3], 1024))
+    if name == "remove_tier":
+        return index.remove_tier(op[2], KEYS[op[1]].block_hash, op[3])
+    if name == "remove_block":
+        key = KEYS[op[1]]
+        return index.remove_block(key.scope(), op[2], key.block_hash)
+    if name == "clear_worker":
+        return index.clear_worker(op[1])
+    if name == "flush":
+        return index.flush()
+    raise AssertionError(name)
+
+
+def _rows(records) -> list:
+    return sorted((r.key, r.worker_id, r.tier.value, r.bytes) for r in records)
+
+
+def _state(index) -> list:
+    return _rows(index.snapshot())
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(sequence=ops)
+def test_mirrored_lmdb_answers_like_memory_and_reopens_with_the_same_records(
+    tmp_path_factory, sequence
+):
+    directory = Path(tmp_path_factory.mktemp("mirror")) / "index"
+    reference = MemoryIndex()
+    mirrored = open_index("lmdb", str(directory), sync_commits=False, mirror=True)
+    assert isinstance(mirrored, MirroredIndex) and mirrored.persistent
+    for op in sequence:
+        assert _apply(mirrored, op) == _apply(reference, op), op
+        for key in KEYS:
+            assert _rows(mirrored.locate_hash(key.block_hash)) == _rows(
+                reference.locate_hash(key.block_hash)
+            )
+    assert _state(mirrored) == _state(reference)
+    assert len(mirrored) == len(reference)
+    for worker in WORKERS:
+        assert mirrored.worker_block_count(worker) == reference.worker_block_count(worker)
+    mirrored.close()
+    reopened = LmdbIndex(str(directory))
+    assert _state(reopened) == _state(reference), "every write reached lmdb, in order"
+    reopened.close()
+    again = open_index("lmdb", str(directory), mirror=True)
+    assert _state(again) == _state(reference), "a restart plans with what was flushed"
+    again.close()
+
+
+def test_writes_wait_for_flush_and_a_drain_in_another_thread_keeps_order(tmp_path):
+    directory = tmp_path / "index"
+    mirrored = MirroredIndex(LmdbIndex(str(directory), sync_commits=False))
+    first = [CacheResidency(k, "e0", CacheTier.HBM, 1) for k in KEYS[:6]]
+    mirrored.put_many(first)
+    mirrored.put_many([CacheResidency(k, "e1", CacheTier.HBM, 1) for k in KEYS[6:]])
+    assert mirrored.pending_writes == 1, "consecutive puts share one transaction"
+    assert len(mirrored) == len(KEYS), "reads see the writes at once"
+    drained = threading.Thread(target=mirrored.flush)
+    drained.start()
+    mirrored.clear_worker("e0")  # while the other thread may be draining
+    drained.join()
+    mirrored.flush()
+    assert mirrored.pending_writes == 0
+    mirrored.close()
+    reopened = LmdbIndex(str(directory))
+    assert reopened.worker_block_count("e0") == 0
+    assert reopened.worker_block_count("e1") == len(KEYS) - 6
+    reopened.close()
