@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import random
 import time
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = conductor_pb2.DESCRIPTOR.services_by_name["Conductor"].full_name
 TICK_S = 0.05
 FLUSH_S = 1.0
+FREEZE_S = 10.0
 
 
 class ConductorServer:
@@ -184,13 +186,22 @@ class ConductorServer:
                 self.state.store_joined(record)
 
     async def _tick(self) -> None:
-        last_flush = time.monotonic()
+        last_flush = last_freeze = time.monotonic()
+        gc.freeze()
         while True:
             await asyncio.sleep(TICK_S)
             self.state.tick()
-            if time.monotonic() - last_flush >= FLUSH_S:
-                last_flush = time.monotonic()
+            now = time.monotonic()
+            if now - last_flush >= FLUSH_S:
+                last_flush = now
                 await asyncio.to_thread(self.index.flush)
+            if now - last_freeze >= FREEZE_S:
+                # The index is millions of long-lived objects; a full collection that
+                # walks them all was the conductor's worst Plan latency (4-5 ms at 1M
+                # records). Frozen objects are still freed by reference counting;
+                # only the cycle collector skips them.
+                last_freeze = now
+                gc.freeze()
 
     async def stop(self) -> None:
         for task in self._tasks:
