@@ -12,9 +12,12 @@ and cost(w) = min_k est_ttft(w, k) + decode_cost(w). Lowest cost wins; exact tie
 break at random with the injected RNG; temperature T > 0 samples
 p_w ~ exp(-(c_w - c_min) / ((c_max - c_min) * T)) as Dynamo does.
 
-Pure: no I/O, no clock. The per-engine, per-block cost matrix is built with numpy from
-the (sparse) located residencies, so a 128-block prompt over 64 engines costs a few
-hundred microseconds, not 8,192 Python iterations.
+Pure: no I/O, no clock. Blocks with the same copies (same workers, tiers and sizes)
+form runs, and within a run the estimate is linear in the prefix length, so the best
+prefix ends at a run boundary: the cost matrix is per engine and run, built with
+numpy from the (sparse) located residencies. A 128-block prompt over 64 engines is a
+few runs, not 8,192 Python iterations, and our planner's actions are held as runs
+(`ActionRuns`) that expand to per-block actions only when asked.
 """
 
 from __future__ import annotations
