@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from functools import lru_cache
 from hashlib import blake2b
 from pathlib import Path
 from typing import Protocol
@@ -20,6 +19,7 @@ from typing import Protocol
 from quillcache_core.errors import InvalidArgument
 
 BUILTIN_VOCAB = 32_000
+BUILTIN_CACHE_PIECES = 200_000
 _PIECES = re.compile(r"\s+|\w+|[^\w\s]", re.UNICODE)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -31,15 +31,31 @@ class Tokenizer(Protocol):
 
 
 class BuiltinTokenizer:
-    """Deterministic fallback: every word, space run and symbol is one token."""
+    """Deterministic fallback: every word, space run and symbol is one token.
+
+    Piece ids are memoised in a dict (at most about BUILTIN_CACHE_PIECES entries), so
+    a prompt of known pieces costs one regex pass and one lookup per piece.
+    """
 
     name = "builtin-v1"
 
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
     def encode(self, text: str) -> list[int]:
-        return [_piece_id(piece) for piece in _PIECES.findall(text)]
+        pieces = _PIECES.findall(text)
+        ids = self._ids
+        try:
+            return list(map(ids.__getitem__, pieces))
+        except KeyError:
+            if len(ids) >= BUILTIN_CACHE_PIECES:
+                ids.clear()
+            for piece in pieces:
+                if piece not in ids:
+                    ids[piece] = _piece_id(piece)
+            return list(map(ids.__getitem__, pieces))
 
 
-@lru_cache(maxsize=200_000)
 def _piece_id(piece: str) -> int:
     digest = blake2b(piece.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % BUILTIN_VOCAB

@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_level)
     from quillcache_gateway.server import Gateway
 
+    if config.event_loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(serve_until_signalled(Gateway(config)))
     return asyncio.run(serve_until_signalled(Gateway(config)))
 
 

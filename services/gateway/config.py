@@ -34,9 +34,23 @@ class GatewayConfig:
     )
     max_body_bytes: int = opt(4 * 1024 * 1024, "larger request bodies get 413")
     plan_timeout_s: float = opt(5.0, "deadline of a Plan or Finish call to the conductor")
+    finish_hold_ms: float = opt(
+        20.0,
+        "a Finish waits up to this long while other requests wait for their first byte "
+        "(0 = send at once)",
+    )
     upstream_timeout_s: float = opt(300.0, "total deadline of one upstream engine call")
+    upstream_connect_timeout_s: float = opt(2.0, "deadline of opening a connection to an engine")
+    upstream_idle_timeout_s: float = opt(
+        30.0, "an idle keep-alive connection to an engine is reused for this long"
+    )
     upstream_retries: int = opt(
         1, "re-plans on another engine when one fails before its first byte"
+    )
+    event_loop: str = opt(
+        "uvloop",
+        "asyncio event loop: uvloop (faster) or Python's own",
+        choices=("uvloop", "asyncio"),
     )
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -45,6 +59,14 @@ class GatewayConfig:
             raise InvalidArgument("--conductor is required unless --registry names an etcd")
         if self.block_size <= 0 or self.max_body_bytes <= 0:
             raise InvalidArgument("--block-size and --max-body-bytes must be positive")
+        if self.upstream_timeout_s <= 0 or self.upstream_connect_timeout_s <= 0:
+            raise InvalidArgument(
+                "--upstream-timeout-s and --upstream-connect-timeout-s must be positive"
+            )
+        if self.upstream_idle_timeout_s <= 0 or self.finish_hold_ms < 0:
+            raise InvalidArgument(
+                "--upstream-idle-timeout-s must be positive, --finish-hold-ms >= 0"
+            )
         parse_pairs(self.api_keys, "--api-keys")
         parse_pairs(self.cache_salts, "--cache-salts")
 

@@ -1,26 +1,35 @@
-"""The OpenAI-compatible gateway: hash, plan, proxy the engine's stream, finish, observe."""
+"""The OpenAI-compatible gateway: hash, plan, proxy the engine's stream, finish, observe.
+
+The path of a request is kept short: the tenant's identity digest and proto are
+computed once per (tenant, model, tokenizer); the prompt is hashed straight to block
+hashes; the client's body is forwarded as it came with the cache salt and the plan
+spliced in (re-encoded only when the client sent either field itself); Plan and
+Finish share one PlanStream; engines are called over pooled keep-alive connections
+(upstream.py); stream chunks are relayed as they come; Finish (with Observe) is
+queued after the answer's last byte and sent in the background.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
+import secrets
 import time
-import uuid
 from dataclasses import dataclass
 
-import aiohttp
 import grpc
 from aiohttp import web
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_core.engine_plan import FIELD as PLAN_FIELD
-from quillcache_core.engine_plan import EnginePlan, FetchAction
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
-from quillcache_core.hashing import request_blocks
+from quillcache_core.hashing import block_hashes, identity_digest
 from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.model import CacheTier
+from quillcache_core.plan_wire import pack_hashes
 from quillcache_core.registry import open_registry
 from quillcache_core.rpc import error_from_status
 from quillcache_core.tokenize import (
@@ -30,35 +39,69 @@ from quillcache_core.tokenize import (
     prompt_tokens,
     render_chat,
 )
+from quillcache_gateway.conductor_calls import ConductorCalls, FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.errors import ApiError, from_domain, response
+from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
 SLO_HEADER = "x-quillcache-ttft-slo-ms"
 TIER_NAMES = {
-    common_pb2.TIER_HBM: CacheTier.HBM,
-    common_pb2.TIER_REMOTE_HBM: CacheTier.REMOTE_HBM,
-    common_pb2.TIER_CPU_DRAM: CacheTier.CPU_DRAM,
-    common_pb2.TIER_LOCAL_SSD: CacheTier.LOCAL_SSD,
-    common_pb2.TIER_OBJECT_STORE: CacheTier.OBJECT_STORE,
+    common_pb2.TIER_HBM: CacheTier.HBM.value,
+    common_pb2.TIER_REMOTE_HBM: CacheTier.REMOTE_HBM.value,
+    common_pb2.TIER_CPU_DRAM: CacheTier.CPU_DRAM.value,
+    common_pb2.TIER_LOCAL_SSD: CacheTier.LOCAL_SSD.value,
+    common_pb2.TIER_OBJECT_STORE: CacheTier.OBJECT_STORE.value,
 }
+FETCH = conductor_pb2.BlockAction.FETCH
 SUCCESS = conductor_pb2.FinishRequest.SUCCESS
 ERROR = conductor_pb2.FinishRequest.ERROR
 CANCELLED = conductor_pb2.FinishRequest.CANCELLED
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+DONE_EVENT = b"data: [DONE]\n\n"
+MAX_IDENTITIES = 4096
+MODELS_TTL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class _Completion:
-    """A validated completion request: its body, model, tokenizer and prompt tokens."""
+    """A validated completion request: its body (raw and parsed), model, tokenizer, tokens."""
 
+    raw: bytes
     payload: dict
     model: str
     tokenizer: Tokenizer
     tokens: list[int]
     max_tokens: int
     stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Identity:
+    """What one (tenant, model, tokenizer) needs on every request, computed once.
+
+    The proto messages are shared: never mutate them (assigning one to a field copies it).
+    """
+
+    tenant: str
+    salt: str
+    digest: bytes
+    plan_identity: common_pb2.Identity
+    finish_identity: common_pb2.Identity
+    salt_json: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One request on its way through: what Plan, the engine body and Finish need."""
+
+    request_id: str
+    arrived: float  # time.perf_counter() when the request arrived
+    slo_ms: int
+    job: _Completion
+    ident: _Identity
+    hashes: list[str]  # hex, one per full block
+    packed: bytes  # the same hashes as 16-byte digests, concatenated
 
 
 class Gateway:
@@ -89,16 +132,36 @@ class Gateway:
         )
         self.plan_sum = m.counter("gateway_plan_seconds_sum", "time spent in Plan calls")
         self.plan_count = m.counter("gateway_plan_seconds_count", "Plan calls")
+        self.prepare_sum = m.counter(
+            "gateway_prepare_seconds_sum",
+            "time from a request's arrival to its Plan call (read, validate, tokenize, hash)",
+        )
+        self.engine_head_sum = m.counter(
+            "gateway_engine_head_seconds_sum",
+            "time from sending a request to an engine to its answer's head (per engine call)",
+        )
+        self.engine_head_count = m.counter(
+            "gateway_engine_head_seconds_count", "engine calls that got an answer's head"
+        )
         self.upstream_failures = m.counter(
             "gateway_upstream_failures_total", "engine calls that failed, by phase", ["phase"]
         )
-        self.conductor: conductor_pb2_grpc.ConductorStub | None = None
+        self.finish_dropped = m.counter(
+            "gateway_finish_dropped_total", "Finish calls dropped because too many were queued"
+        )
+        self.conductor: ConductorCalls | None = None
+        self._stats: conductor_pb2_grpc.ConductorStub | None = None
+        self._finishes: FinishQueue | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._http: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamPool | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
-        self._models: tuple[float, dict[str, bool]] = (0.0, {})
-        self._background: set[asyncio.Task] = set()
+        self._models: tuple[float, dict[str, bool]] = (-MODELS_TTL_S, {})
+        self._models_refresh: asyncio.Task | None = None
+        self._identities: dict[tuple[str, str, str], _Identity] = {}
+        # Request ids: 24 hex digits, a random per-process half and a counter.
+        self._id_prefix = secrets.token_hex(6)
+        self._ids = itertools.count()
 
     def _goodput(self):
         timed = self.ttft_count.get()
@@ -110,11 +173,19 @@ class Gateway:
         cfg = self.config
         address = cfg.conductor or await self._find_conductor()
         self._channel = grpc.aio.insecure_channel(address)
-        self.conductor = conductor_pb2_grpc.ConductorStub(self._channel)
-        self._http = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=cfg.upstream_timeout_s, sock_connect=2.0),
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-            auto_decompress=False,
+        self.conductor = ConductorCalls(self._channel)
+        self._stats = conductor_pb2_grpc.ConductorStub(self._channel)
+        self._finishes = FinishQueue(
+            self.conductor,
+            cfg.plan_timeout_s,
+            self.finish_dropped,
+            max_hold_s=cfg.finish_hold_ms / 1000,
+        )
+        self._finishes.start()
+        self._upstream = UpstreamPool(
+            connect_timeout_s=cfg.upstream_connect_timeout_s,
+            total_timeout_s=cfg.upstream_timeout_s,
+            idle_timeout_s=cfg.upstream_idle_timeout_s,
         )
         app = web.Application(client_max_size=cfg.max_body_bytes)
         app.add_routes(
@@ -153,10 +224,12 @@ class Gateway:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
-        if self._background:
-            await asyncio.wait(self._background, timeout=2.0)
-        if self._http is not None:
-            await self._http.close()
+        if self._finishes is not None:
+            await self._finishes.stop()
+        if self.conductor is not None:
+            await self.conductor.close()
+        if self._upstream is not None:
+            await self._upstream.close()
         if self._channel is not None:
             await self._channel.close()
 
@@ -182,12 +255,21 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def _served_models(self) -> dict[str, bool]:
-        """Models the live engines serve ("" present = some engine serves any model)."""
+        """Models the live engines serve ("" present = some engine serves any model).
+
+        Fetched from the conductor at most once a second, and waited for only when the
+        last answer is older than that: `_serves` refreshes in the background instead.
+        """
         fetched_at, models = self._models
-        if time.monotonic() - fetched_at < 1.0:
+        if time.monotonic() - fetched_at < MODELS_TTL_S:
             return models
+        if self._models_refresh is None or self._models_refresh.done():
+            self._models_refresh = asyncio.get_running_loop().create_task(self._fetch_models())
+        return await asyncio.shield(self._models_refresh)
+
+    async def _fetch_models(self) -> dict[str, bool]:
         try:
-            stats = await self.conductor.Stats(
+            stats = await self._stats.Stats(
                 conductor_pb2.StatsRequest(), timeout=self.config.plan_timeout_s
             )
         except grpc.aio.AioRpcError as exc:
@@ -197,6 +279,20 @@ class Gateway:
         models = {e.model: True for e in stats.engines}
         self._models = (time.monotonic(), models)
         return models
+
+    async def _serves(self, model: str) -> bool:
+        """Whether an engine serves `model`; a known model does not wait for a refresh."""
+        fetched_at, models = self._models
+        if model in models or "" in models:
+            if time.monotonic() - fetched_at >= MODELS_TTL_S and (
+                self._models_refresh is None or self._models_refresh.done()
+            ):
+                task = asyncio.get_running_loop().create_task(self._fetch_models())
+                task.add_done_callback(_ignore_result)
+                self._models_refresh = task
+            return True
+        served = await self._served_models()
+        return model in served or "" in served
 
     # --- completions ------------------------------------------------------------------------
 
@@ -208,12 +304,12 @@ class Gateway:
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         arrived = time.perf_counter()
-        request_id = f"qc-{uuid.uuid4().hex[:24]}"
+        request_id = f"qc-{self._id_prefix}{next(self._ids):012x}"
         route = request.path
         try:
             tenant = self._tenant(request)
-            payload = await self._read_json(request)
-            job = await self._parse(payload, kind)
+            raw, payload = await self._read_json(request)
+            job = await self._parse(raw, payload, kind)
             slo_ms = self._slo_ms(request)
             result = await self._proxy(request, request_id, arrived, tenant, job, slo_ms)
         except ApiError as err:
@@ -232,7 +328,7 @@ class Gateway:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return tenant
 
-    async def _read_json(self, request: web.Request) -> dict:
+    async def _read_json(self, request: web.Request) -> tuple[bytes, dict]:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -254,14 +350,13 @@ class Gateway:
             ) from None
         if not isinstance(payload, dict):
             raise ApiError(400, "request body must be a JSON object")
-        return payload
+        return raw, payload
 
-    async def _parse(self, payload: dict, kind: str) -> _Completion:
+    async def _parse(self, raw: bytes, payload: dict, kind: str) -> _Completion:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' must be a non-empty string", param="model")
-        served = await self._served_models()
-        if model not in served and "" not in served:
+        if not await self._serves(model):
             raise ApiError(
                 404,
                 f"The model '{model}' does not exist or no engine serves it.",
@@ -292,7 +387,13 @@ class Gateway:
         if not isinstance(stream, bool):
             raise ApiError(400, "'stream' must be a boolean", param="stream")
         return _Completion(
-            payload, model, tokenizer, tokens, max_tokens or self.config.default_max_tokens, stream
+            raw,
+            payload,
+            model,
+            tokenizer,
+            tokens,
+            max_tokens or self.config.default_max_tokens,
+            stream,
         )
 
     def _slo_ms(self, request: web.Request) -> int:
@@ -307,26 +408,47 @@ class Gateway:
             raise ApiError(400, f"{SLO_HEADER} must be a positive integer of milliseconds")
         return slo
 
-    async def _plan(self, request_id, identity, keys, tokens, max_tokens, slo_ms, excluded):
-        refs = [
-            common_pb2.BlockRef(
-                block_hash=k.block_hash, token_count=k.token_count, bytes=self.config.block_bytes
-            )
-            for k in keys
-        ]
+    def _identity(self, tenant: str, model: str, tokenizer_id: str) -> _Identity:
+        key = (tenant, model, tokenizer_id)
+        found = self._identities.get(key)
+        if found is not None:
+            return found
+        if len(self._identities) >= MAX_IDENTITIES:
+            self._identities.clear()  # models are client input when an engine serves any
+        salt = self.salts.get(tenant, tenant)
+        found = _Identity(
+            tenant=tenant,
+            salt=salt,
+            digest=identity_digest(model, tokenizer_id, None, tenant, salt),
+            plan_identity=common_pb2.Identity(
+                model_id=model, tokenizer_id=tokenizer_id, tenant_id=tenant, cache_salt=salt
+            ),
+            finish_identity=common_pb2.Identity(
+                model_id=model, tokenizer_id=tokenizer_id, tenant_id=tenant
+            ),
+            salt_json=json.dumps(salt).encode(),
+        )
+        self._identities[key] = found
+        return found
+
+    async def _plan(self, call: _Call, excluded: list[str]):
+        cfg = self.config
         started = time.perf_counter()
         try:
-            return await self.conductor.Plan(
+            return await self.conductor.plan(
                 conductor_pb2.PlanRequest(
-                    request_id=request_id,
-                    identity=identity,
-                    blocks=refs,
-                    prompt_tokens=len(tokens),
-                    expected_decode_tokens=max_tokens,
-                    slo=common_pb2.Slo(ttft_ms=slo_ms),
+                    request_id=call.request_id,
+                    identity=call.ident.plan_identity,
+                    packed_hashes=call.packed,
+                    block_tokens=cfg.block_size,
+                    block_bytes=cfg.block_bytes,
+                    action_runs=True,
+                    prompt_tokens=len(call.job.tokens),
+                    expected_decode_tokens=call.job.max_tokens,
+                    slo=common_pb2.Slo(ttft_ms=call.slo_ms),
                     exclude_engines=excluded,
                 ),
-                timeout=self.config.plan_timeout_s,
+                cfg.plan_timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
             raise from_domain(error_from_status(exc.code(), exc.details() or "")) from None
@@ -336,54 +458,15 @@ class Gateway:
 
     async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms):
         cfg = self.config
-        salt = self.salts.get(tenant, tenant)
-        payload, model, tokenizer, tokens = job.payload, job.model, job.tokenizer, job.tokens
-        keys = request_blocks(
-            tokens,
-            cfg.block_size,
-            model_id=model,
-            tokenizer_id=tokenizer.name,
-            adapter_id=None,
-            tenant_id=tenant,
-            cache_salt=salt,
-        )
-        identity = common_pb2.Identity(
-            model_id=model, tokenizer_id=tokenizer.name, tenant_id=tenant, cache_salt=salt
-        )
-        excluded: list[str] = []
-        for _attempt in range(cfg.upstream_retries + 1):
-            plan = await self._plan(
-                request_id, identity, keys, tokens, job.max_tokens, slo_ms, excluded
-            )
-            body = dict(payload)
-            body["cache_salt"] = salt
-            params = body.get("kv_transfer_params")
-            body["kv_transfer_params"] = {
-                **(params if isinstance(params, dict) else {}),
-                PLAN_FIELD: self._engine_plan(plan, model, tokenizer.name, tenant, salt).to_json(),
-            }
-            url = plan.engine_base_url.rstrip("/") + request.path
-            try:
-                upstream = await self._http.post(
-                    url, json=body, headers={"x-quillcache-request-id": request_id}
-                )
-            except UPSTREAM_ERRORS as exc:
-                logger.warning(
-                    "engine %s failed before answering %s: %r", plan.engine_id, request_id, exc
-                )
-                self.upstream_failures.inc(phase="connect")
-                self._finish_later(plan, ERROR, 0.0, keys, success=False)
-                excluded.append(plan.engine_id)
-                continue
-            break
-        else:
-            raise ApiError(
-                503,
-                f"no engine could serve the request (tried {', '.join(excluded)})",
-                type_="service_unavailable",
-                code="no_engine_available",
-            )
-
+        ident = self._identity(tenant, job.model, job.tokenizer.name)
+        hashes = block_hashes(job.tokens, cfg.block_size, ident.digest)
+        call = _Call(request_id, arrived, slo_ms, job, ident, hashes, pack_hashes(hashes))
+        self.prepare_sum.inc(time.perf_counter() - arrived)
+        self._finishes.hold()  # no Finish competes with this request for its answer
+        try:
+            plan, upstream = await self._open_upstream(call, request.path)
+        finally:
+            self._finishes.unhold()
         headers = {
             "x-quillcache-request-id": request_id,
             "x-quillcache-engine": plan.engine_id,
@@ -395,84 +478,148 @@ class Gateway:
         }
         try:
             if upstream.status != 200 or not job.stream:
-                data = await upstream.read()
-                ttft_s = time.perf_counter() - arrived
-                ok = upstream.status == 200
-                if not ok:
-                    self.upstream_failures.inc(phase="status")
-                self._timed(ttft_s, slo_ms)
-                self._finish_later(plan, SUCCESS if ok else ERROR, ttft_s, keys, success=ok)
-                ctype = upstream.headers.get("Content-Type", "application/json")
-                return web.Response(
-                    status=upstream.status, body=data, headers={**headers, "Content-Type": ctype}
-                )
-            return await self._stream(request, upstream, plan, headers, arrived, slo_ms, keys)
+                return await self._whole(request, upstream, plan, headers, call)
+            return await self._stream(request, upstream, plan, headers, call)
         finally:
             upstream.release()
 
-    async def _stream(
-        self, request, upstream, plan, headers, arrived, slo_ms, keys
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            status=200,
-            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+    async def _open_upstream(self, call: _Call, path: str):
+        """Plan, then send the engine the request; on its failure re-plan elsewhere."""
+        excluded: list[str] = []
+        job = call.job
+        for _attempt in range(self.config.upstream_retries + 1):
+            plan = await self._plan(call, excluded)
+            body = upstream_body(job.raw, job.payload, call.ident, self._plan_json(plan, call))
+            sent = time.perf_counter()
+            try:
+                upstream = await self._upstream.post(
+                    plan.engine_base_url.rstrip("/"),
+                    path,
+                    body,
+                    b"x-quillcache-request-id: " + call.request_id.encode() + b"\r\n",
+                )
+            except UPSTREAM_ERRORS as exc:
+                logger.warning(
+                    "engine %s failed before answering %s: %r",
+                    plan.engine_id,
+                    call.request_id,
+                    exc,
+                )
+                self.upstream_failures.inc(phase="connect")
+                self._finish_later(plan, ERROR, 0.0, call, observe=False)
+                excluded.append(plan.engine_id)
+                continue
+            self.engine_head_sum.inc(time.perf_counter() - sent)
+            self.engine_head_count.inc()
+            return plan, upstream
+        raise ApiError(
+            503,
+            f"no engine could serve the request (tried {', '.join(excluded)})",
+            type_="service_unavailable",
+            code="no_engine_available",
         )
+
+    async def _whole(self, request, upstream, plan, headers, call: _Call) -> web.Response:
+        """A non-streamed answer (or an engine's error): read it, answer, then Finish."""
+        try:
+            data = await upstream.read_all()
+        except UPSTREAM_ERRORS as exc:
+            logger.warning("engine %s failed mid-answer: %r", plan.engine_id, exc)
+            self.upstream_failures.inc(phase="stream")
+            self._finish_later(plan, ERROR, 0.0, call, observe=False)
+            raise ApiError(
+                502,
+                f"engine {plan.engine_id} failed before the answer completed",
+                type_="upstream_error",
+                code="engine_failed",
+            ) from None
+        ttft_s = time.perf_counter() - call.arrived
+        ok = upstream.status == 200
+        if not ok:
+            self.upstream_failures.inc(phase="status")
+        self._timed(ttft_s, call.slo_ms)
+        headers["Content-Type"] = upstream.headers.get("content-type", "application/json")
+        resp = web.Response(status=upstream.status, body=data, headers=headers)
+        try:
+            await resp.prepare(request)
+            await resp.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            self._finish_later(plan, CANCELLED, ttft_s, call, observe=False)
+            raise
+        self._finish_later(plan, SUCCESS if ok else ERROR, ttft_s, call, observe=ok)
+        return resp
+
+    async def _stream(self, request, upstream, plan, headers, call: _Call) -> web.StreamResponse:
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+        resp = web.StreamResponse(status=200, headers=headers)
         await resp.prepare(request)  # the decision headers go out before the first token
         outcome = SUCCESS
         ttft_s = 0.0
         tail = b"\n\n"
+        read = upstream.read
         try:
             while True:
                 try:
-                    chunk = await upstream.content.readany()
+                    chunk = await read()
                 except UPSTREAM_ERRORS as exc:
                     logger.warning("engine %s failed mid-stream: %r", plan.engine_id, exc)
                     chunk = None
                 if not chunk:
-                    if not tail.endswith(b"data: [DONE]\n\n"):
+                    if not tail.endswith(DONE_EVENT):
                         # The engine failed or closed early: end with an error event.
                         outcome = ERROR
                         self.upstream_failures.inc(phase="stream")
                         await resp.write(_error_event(tail, plan.engine_id))
                     break
                 if not ttft_s:
-                    ttft_s = time.perf_counter() - arrived
-                    self._timed(ttft_s, slo_ms)
-                tail = (tail + chunk)[-16:]
+                    ttft_s = time.perf_counter() - call.arrived
+                    self._timed(ttft_s, call.slo_ms)
+                tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
                 await resp.write(chunk)
             with contextlib.suppress(ConnectionError):
                 await resp.write_eof()
         except (ConnectionError, asyncio.CancelledError):
-            outcome = CANCELLED  # the client went away
-            self._finish_later(plan, outcome, ttft_s, keys, success=False)
+            self._finish_later(plan, CANCELLED, ttft_s, call, observe=False)  # client left
             raise
-        self._finish_later(plan, outcome, ttft_s, keys, success=outcome == SUCCESS)
+        self._finish_later(plan, outcome, ttft_s, call, observe=outcome == SUCCESS)
         return resp
 
-    def _engine_plan(self, plan, model, tokenizer_id, tenant, salt) -> EnginePlan:
-        fetch = tuple(
-            FetchAction(
-                block_index=a.block_index,
-                block_hash=a.block_hash,
-                source_node=a.source_node,
-                source_address=a.source_address,
-                tier=TIER_NAMES.get(a.source_tier, CacheTier.CPU_DRAM).value,
-            )
-            for a in plan.actions
-            if a.kind == conductor_pb2.BlockAction.FETCH
-        )
-        return EnginePlan(
-            reservation_id=plan.reservation_id,
-            engine_id=plan.engine_id,
-            model_id=model,
-            tokenizer_id=tokenizer_id,
-            tenant_id=tenant,
-            cache_salt=salt,
-            block_size=self.config.block_size,
-            hit_blocks=plan.hit_blocks,
-            recompute_blocks=plan.recompute_blocks,
-            fetch=fetch,
-        )
+    def _plan_json(self, plan, call: _Call) -> dict:
+        """The engine's copy of the plan: EnginePlan.to_json's shape, built directly.
+
+        The reply's actions come as runs (action_runs): a FETCH run is expanded to one
+        entry per block, each with its own hash.
+        """
+        fetch = []
+        for a in plan.actions:
+            if a.kind != FETCH:
+                continue
+            tier = TIER_NAMES.get(a.source_tier, CacheTier.CPU_DRAM.value)
+            for index in range(a.block_index, a.block_index + (a.block_count or 1)):
+                fetch.append(
+                    {
+                        "block_index": index,
+                        "block_hash": call.hashes[index],
+                        "source_node": a.source_node,
+                        "source_address": a.source_address,
+                        "tier": tier,
+                    }
+                )
+        ident = call.ident
+        return {
+            "reservation_id": plan.reservation_id,
+            "engine_id": plan.engine_id,
+            "model_id": call.job.model,
+            "tokenizer_id": call.job.tokenizer.name,
+            "tenant_id": ident.tenant,
+            "adapter_id": None,
+            "cache_salt": ident.salt,
+            "block_size": self.config.block_size,
+            "hit_blocks": plan.hit_blocks,
+            "recompute_blocks": plan.recompute_blocks,
+            "fetch": fetch,
+        }
 
     def _timed(self, ttft_s: float, slo_ms: int) -> None:
         self.ttft_sum.inc(ttft_s)
@@ -480,37 +627,51 @@ class Gateway:
         if ttft_s * 1000 <= slo_ms:
             self.slo_met.inc()
 
-    def _finish_later(self, plan, outcome, ttft_s: float, keys, *, success: bool) -> None:
-        """Finish (and Observe on success) without holding up the client's answer."""
-        task = asyncio.get_running_loop().create_task(
-            self._finish(plan, outcome, ttft_s, keys, success)
-        )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _finish(self, plan, outcome, ttft_s, keys, success) -> None:
-        request = conductor_pb2.FinishRequest(
+    def _finish_later(self, plan, outcome, ttft_s: float, call: _Call, *, observe: bool) -> None:
+        """Queue Finish; with `observe`, the prompt's blocks are recorded on the engine."""
+        finish = conductor_pb2.FinishRequest(
             reservation_id=plan.reservation_id, outcome=outcome, ttft_ms=ttft_s * 1000
         )
-        if success and keys:
-            first = keys[0]
-            request.identity.CopyFrom(
-                common_pb2.Identity(
-                    model_id=first.model_id,
-                    tokenizer_id=first.tokenizer_id,
-                    tenant_id=first.tenant_id,
-                )
+        if observe and call.packed:
+            finish.identity.CopyFrom(call.ident.finish_identity)
+            finish.observe_packed_hashes = call.packed
+            finish.observe_block_tokens = self.config.block_size
+        self._finishes.submit(finish)
+
+
+def _ignore_result(task: asyncio.Task) -> None:
+    """A background refresh's failure is seen by the next request that waits for one."""
+    if not task.cancelled():
+        task.exception()
+
+
+def upstream_body(raw: bytes, payload: dict, ident: _Identity, plan: dict) -> bytes:
+    """The client's JSON body with `cache_salt` and `kv_transfer_params.quillcache` set.
+
+    The usual body has neither field: the two are spliced in before the closing brace,
+    so the client's bytes are forwarded without re-encoding. A body that has either
+    (the salt is always the tenant's, never the client's) is re-encoded.
+    """
+    if "cache_salt" not in payload and "kv_transfer_params" not in payload:
+        plan_json = json.dumps(plan, separators=(",", ":")).encode()
+        head = raw[: raw.rindex(b"}")].rstrip()
+        sep = b"" if head.endswith(b"{") else b","
+        return b"".join(
+            (
+                head,
+                sep,
+                b'"cache_salt":',
+                ident.salt_json,
+                b',"kv_transfer_params":{"' + PLAN_FIELD.encode() + b'":',
+                plan_json,
+                b"}}",
             )
-            request.observe_blocks.extend(
-                common_pb2.BlockRef(block_hash=k.block_hash, token_count=k.token_count)
-                for k in keys
-            )
-        try:
-            await self.conductor.Finish(request, timeout=self.config.plan_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            logger.warning(
-                "finish of %s failed: %s %s", plan.reservation_id, exc.code().name, exc.details()
-            )
+        )
+    body = dict(payload)
+    body["cache_salt"] = ident.salt
+    params = body.get("kv_transfer_params")
+    body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), PLAN_FIELD: plan}
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _error_event(tail: bytes, engine_id: str) -> bytes:

@@ -11,8 +11,10 @@ from quillcache_store.config import StoreConfig
 
 DESCRIPTION = (
     "QuillCache store node: DRAM and crash-consistent SSD (LMDB) tiers of KV blocks, "
-    "gRPC Put/Get/Exists/Delete/Stats, peer fetch, residency events to the conductor, "
-    "etcd lease. Prints 'READY store grpc=HOST:PORT metrics=http://HOST:PORT' when serving."
+    "gRPC Put/Get/Exists/Delete/Stats/Pull, a raw TCP block-data port peers pull blocks "
+    "from, peer fetch, residency events to the conductor, etcd lease. Prints 'READY store "
+    "grpc=HOST:PORT metrics=http://HOST:PORT data=HOST:PORT' when serving (no data= with "
+    "--data-port -1)."
 )
 
 

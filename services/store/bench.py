@@ -11,9 +11,13 @@ One run measures, with 2 MiB blocks (default):
   buffers are reused), get from DRAM, put to and get from SSD, and durable puts from
   `--durable-clients` clients (SSD commit before the ack; concurrent puts share commits),
   each pass right after a raw fsync'd write pass (the disk's speed drifts);
-- peer fetch through the transfer service between two store processes (real etcd,
-  conductor, transfer): bulk Transfer.Copy A -> B, and get(allow_remote) on B of blocks
-  held by A.
+- peer fetch between two store processes (real etcd, conductor, transfer): bulk
+  Transfer.Copy A -> B over the block data path (B pulls from A's raw TCP data port,
+  the transfer service orchestrating), the same Copy over the gRPC path (a second
+  transfer service with `--data-path false`: Get streamed into Put through it), a
+  Store.Pull on B called directly (the data path without the transfer service), and
+  get(allow_remote) on B of blocks held by A (B pulls them over the data path; the
+  bytes then reach the client over gRPC). Each pass follows a raw TCP pass.
 
 Each figure is the median of `--repeat` passes. Goals checked: peer fetch (Copy) >= 50%
 of raw TCP; durable puts >= 60% of the raw fsync'd write. Results go to
@@ -360,7 +364,14 @@ async def _wait_indexed(conductor: str, key: KvBlockKey, node: str, timeout_s: f
 
 
 async def peer_figures(
-    a: str, b: str, transfer: str, conductor: str, args, payloads, progress: Progress
+    a: str,
+    b: str,
+    transfer: str,
+    transfer_grpc: str,
+    conductor: str,
+    args,
+    payloads,
+    progress: Progress,
 ) -> dict[str, list[float]]:
     import grpc.aio
 
@@ -373,43 +384,64 @@ async def peer_figures(
     source = StoreClient(a, timeout_s=60)
     dest = [StoreClient(b, timeout_s=60) for _ in range(args.clients)]
     paired = "raw TCP loopback (paired)"
-    out: dict[str, list[float]] = {
-        paired: [],
-        "peer fetch: transfer Copy A->B": [],
-        "peer fetch: get(allow_remote) on B": [],
-    }
+    copy, pull, copy_grpc = (
+        "peer fetch: transfer Copy A->B",
+        "peer fetch: Store.Pull on B (no transfer service)",
+        "peer fetch: transfer Copy A->B (gRPC path)",
+    )
+    remote_get = "peer fetch: get(allow_remote) on B"
+    out: dict[str, list[float]] = {paired: [], copy: [], pull: [], copy_grpc: [], remote_get: []}
+
+    def get_remote(client, i: int):
+        return client.get(keys[i], allow_remote=True)
+
+    request = transfer_pb2.TransferRequest(
+        source_node="store-a",
+        destination_node="store-b",
+        keys=[wire.key_to_proto(k) for k in keys],
+        window=args.window,
+    )
+
+    async def run_copy(address: str) -> float:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = transfer_pb2_grpc.TransferStub(channel)
+            start = time.perf_counter()
+            final = None
+            async for message in stub.Copy(request, timeout=300):
+                final = message
+            seconds = time.perf_counter() - start
+        if final is None or final.blocks_failed:
+            raise RuntimeError(f"transfer failed: {final}")
+        return seconds
+
+    async def run_pull() -> float:
+        start = time.perf_counter()
+        results = [r async for r in dest[0].open_pull("store-a", a_data, keys, timeout_s=300)]
+        seconds = time.perf_counter() - start
+        if len(results) != n or not all(r.ok for r in results):
+            raise RuntimeError(f"pull failed: {[r for r in results if not r.ok][:1]}")
+        return seconds
+
     try:
         await _timed([source], n, lambda c, i: c.put(keys[i], payloads[i % len(payloads)]))
         await _wait_indexed(conductor, keys[-1], "store-a")
-        async with grpc.aio.insecure_channel(transfer) as channel:
-            stub = transfer_pb2_grpc.TransferStub(channel)
-            request = transfer_pb2.TransferRequest(
-                source_node="store-a",
-                destination_node="store-b",
-                keys=[wire.key_to_proto(k) for k in keys],
-                window=args.window,
-            )
-            # The first pass warms B's buffer pool; its figure is not kept. Each pass
-            # follows a raw TCP pass: the machine's speed drifts (other tenants).
-            for r in range(args.repeat + 1):
+        a_data = (await source.stats())["data_address"]
+        # The first pass warms B's buffer pool; its figures are not kept. Each pass
+        # follows a raw TCP pass: the machine's speed drifts (other tenants).
+        for r in range(args.repeat + 1):
+            if r:
+                raw_s = await asyncio.to_thread(raw_tcp, n, size)
+                out[paired].append(_gbps(n * size, raw_s))
+            for name, measure in (
+                (copy, lambda: run_copy(transfer)),
+                (pull, run_pull),
+                (copy_grpc, lambda: run_copy(transfer_grpc)),
+                (remote_get, lambda: _timed(dest, n, get_remote)),
+            ):
+                seconds = await measure()
                 if r:
-                    raw_s = await asyncio.to_thread(raw_tcp, n, size)
-                    out[paired].append(_gbps(n * size, raw_s))
-                start = time.perf_counter()
-                final = None
-                async for message in stub.Copy(request, timeout=300):
-                    final = message
-                seconds = time.perf_counter() - start
-                if final is None or final.blocks_failed:
-                    raise RuntimeError(f"transfer failed: {final}")
-                if r:
-                    out["peer fetch: transfer Copy A->B"].append(_gbps(n * size, seconds))
+                    out[name].append(_gbps(n * size, seconds))
                 await dest[0].delete(keys)
-                progress.advance()
-        for _ in range(args.repeat):
-            seconds = await _timed(dest, n, lambda c, i: c.get(keys[i], allow_remote=True))
-            out["peer fetch: get(allow_remote) on B"].append(_gbps(n * size, seconds))
-            await dest[0].delete(keys)
             progress.advance()
     finally:
         for client in [source, *dest]:
@@ -432,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(4)
     ]
     figures: dict[str, list[float]] = {}
-    steps = 5 * args.repeat + 6
+    steps = 4 * args.repeat + 6
     progress = Progress("bench-store", steps)
     tmp = Path(tempfile.mkdtemp(prefix="qc-bench-", dir=args.data_dir or None))
     services: list[_Service] = []
@@ -492,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
         services.append(store_b)
         transfer = _Service("transfer", registry, tmp / "transfer.log")
         services.append(transfer)
+        transfer_grpc = _Service(
+            "transfer",
+            [*registry, "--node-id", "transfer-grpc", "--data-path", "false"],
+            tmp / "transfer-grpc.log",
+        )
+        services.append(transfer_grpc)
 
         figures.update(
             asyncio.run(store_figures(store_a.address, args, payloads, tmp / "raw.bin", progress))
@@ -502,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                     store_a.address,
                     store_b.address,
                     transfer.address,
+                    transfer_grpc.address,
                     conductor.address,
                     args,
                     payloads,
@@ -530,6 +569,8 @@ BASELINE_OF = {
     "get SSD (promotes)": "bare gRPC per-block down",
     "durable put (group commit)": "raw write + fdatasync",
     "peer fetch: transfer Copy A->B": "raw TCP loopback (paired)",
+    "peer fetch: Store.Pull on B (no transfer service)": "raw TCP loopback (paired)",
+    "peer fetch: transfer Copy A->B (gRPC path)": "raw TCP loopback (paired)",
     "peer fetch: get(allow_remote) on B": "raw TCP loopback (paired)",
 }
 
@@ -537,6 +578,8 @@ BASELINE_OF = {
 PAIRED = {
     "durable put (group commit)",
     "peer fetch: transfer Copy A->B",
+    "peer fetch: Store.Pull on B (no transfer service)",
+    "peer fetch: transfer Copy A->B (gRPC path)",
     "peer fetch: get(allow_remote) on B",
 }
 

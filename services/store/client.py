@@ -120,6 +120,11 @@ class StoreClient:
                 request_serializer=store_pb2.StoreStatsRequest.SerializeToString,
                 response_deserializer=store_pb2.StoreStatsResponse.FromString,
             )
+            self._pull_rpc = ch.unary_stream(
+                f"/{SERVICE}/Pull",
+                request_serializer=store_pb2.PullRequest.SerializeToString,
+                response_deserializer=store_pb2.PullResult.FromString,
+            )
         return self._channel
 
     async def close(self) -> None:
@@ -299,3 +304,27 @@ class StoreClient:
         stored). Not retried."""
         self._chan()
         return self._put_rpc(timeout=timeout_s or self.timeout_s)
+
+    def open_pull(
+        self,
+        source_node: str,
+        source_data_address: str,
+        keys: Sequence[KvBlockKey],
+        *,
+        tier: CacheTier = CacheTier.CPU_DRAM,
+        durable: bool = False,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[store_pb2.PullResult]:
+        """Have this node pull `keys` from a source node's block-data port (the block
+        data path): a stream of PullResults, one per key (`index`; not necessarily in
+        order), as each block is stored or fails. Not retried; raises grpc.aio.AioRpcError (see `domain_error`).
+        """
+        self._chan()
+        request = store_pb2.PullRequest(
+            source_node=source_node,
+            source_data_address=source_data_address,
+            keys=[wire.key_to_proto(k) for k in keys],
+            tier=wire.tier_to_proto(tier),
+            durable=durable,
+        )
+        return self._pull_rpc(request, timeout=timeout_s or self.timeout_s)

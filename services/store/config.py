@@ -16,6 +16,13 @@ class StoreConfig:
     host: str = opt("127.0.0.1", "address to bind the gRPC and metrics ports on")
     port: int = opt(0, "gRPC port (0 = a free port, printed on the READY line)")
     metrics_port: int = opt(0, "HTTP port for /metrics and /health (0 = a free port)")
+    pull_streams: int = opt(2, "connections a Pull uses at once to fetch from a source's data port")
+    data_port: int = opt(
+        0,
+        "raw TCP block-data port other store nodes pull blocks from (0 = a free port, "
+        "printed on the READY line and announced in the registry; -1 = off: peers fall "
+        "back to gRPC)",
+    )
     advertise_host: str = opt(
         "", "host other nodes reach this one at (default: --host, or 127.0.0.1 for 0.0.0.0)"
     )
@@ -74,6 +81,10 @@ class StoreConfig:
             raise InvalidArgument("--event-queue-max and --event-batch-max must be positive")
         if self.rpc_timeout_s <= 0 or self.worker_threads <= 0:
             raise InvalidArgument("--rpc-timeout-s and --worker-threads must be positive")
+        if not 1 <= self.pull_streams <= 16:
+            raise InvalidArgument("--pull-streams must be in 1..16")
+        if not -1 <= self.data_port <= 65535:
+            raise InvalidArgument("--data-port must be -1 (off), 0 (a free port) or a port")
         if "/" in self.node_id or not self.node_id:
             raise InvalidArgument("--node-id must be non-empty and contain no '/'")
 

@@ -21,7 +21,10 @@ elsewhere::
     gone = dram.commit(res, payload, checksum)  # frees the victims, stores the block
     # or dram.abort(res): the victims stay, nothing is stored
 
-`put(key, payload, checksum, demote=fn)` does the same with a callback. Victims' views
+`dram.commit_fill(res, fill, checksum)` commits with `fill(view)` writing the payload
+straight into the pooled buffer (e.g. `recv_into` from a peer), so received bytes are
+copied once; if `fill` raises, nothing is stored and the buffer returns to the pool.
+`put(key, payload, checksum, demote=fn)` does the same as `commit` with a callback. Victims' views
 are valid until `commit`/`abort` returns. A block whose size class exceeds the capacity
 raises `CapacityExceeded` at `reserve`; so does a tier whose blocks are all pinned by
 readers. Room held by other open reservations is waited for (up to `commit_wait_s`).
@@ -300,14 +303,35 @@ class DramTier:
             raise InvalidArgument(
                 f"payload is {view.nbytes} bytes, reservation was for {reservation.nbytes}"
             )
+
+        def write(target: memoryview) -> None:
+            target[:] = view
+
+        return self._commit(reservation, write, checksum, replace_early=True)
+
+    def commit_fill(
+        self, reservation: Reservation, fill: Callable[[memoryview], None], checksum: int
+    ) -> list[KvBlockKey]:
+        """Like `commit`, but `fill(view)` writes the payload straight into the pooled
+        buffer (e.g. `socket.recv_into` and a checksum check), so its bytes are copied
+        once. `fill` runs without the tier's lock and must fill the whole view or raise.
+
+        If `fill` raises, nothing is stored: a block already held under the key stays,
+        the buffer goes back to the pool, and the exception propagates with `.deleted`
+        set as for CapacityExceeded above (the victims are gone all the same).
+        """
+        return self._commit(reservation, fill, checksum, replace_early=False)
+
+    def _commit(self, reservation: Reservation, write, checksum: int, *, replace_early: bool):
         if reservation.state != "open":
             raise InvalidArgument(f"reservation is already {reservation.state}")
         cls = reservation.size_class
+        nbytes = reservation.nbytes
         with self._cond:
             self._drain_deferred()
             reservation.state = "committed"
             deleted = self._settle_victims(reservation, evict=True)
-            old = self._lru.get(reservation.key)
+            old = self._lru.get(reservation.key) if replace_early else None
             if old is not None:
                 self._unlink(old)
             try:
@@ -318,8 +342,19 @@ class DramTier:
                 raise
         if buf is None:
             buf = _allocate(cls)
-        memoryview(buf)[: view.nbytes] = view
-        entry = _Entry(reservation.key, buf, cls, view.nbytes, checksum)
+        try:
+            write(memoryview(buf)[:nbytes])
+        except BaseException as exc:
+            with self._cond:
+                reservation.state = "failed"
+                self._inhand -= cls
+                self._reserved -= cls
+                self._free.setdefault(cls, []).append(buf)
+                self._free_bytes += cls
+                self._cond.notify_all()
+            exc.deleted = deleted
+            raise
+        entry = _Entry(reservation.key, buf, cls, nbytes, checksum)
         with self._cond:
             old = self._lru.get(reservation.key)
             if old is not None:

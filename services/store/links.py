@@ -8,6 +8,7 @@ next call looks again. Every call has a deadline.
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 import grpc.aio
@@ -171,13 +172,37 @@ class TransferLink:
         await self._target.close()
 
 
+DATA_ADDRESS_TTL_S = 5.0
+
+
 class PeerStores:
-    """StoreClients to peer nodes, by address (resolved through the registry)."""
+    """StoreClients to peer nodes, by address (resolved through the registry), and
+    their block-data addresses."""
 
     def __init__(self, registry: NodeRegistry | None, timeout_s: float) -> None:
         self.registry = registry
         self.timeout_s = timeout_s
         self._clients: dict[str, StoreClient] = {}
+        self._data_addresses: dict[str, tuple[str, float]] = {}
+
+    async def data_address_of(self, peer: PeerLocation) -> str:
+        """The peer's block-data address from its registry record ("" if it has none).
+
+        Cached for a few seconds; `forget` drops it after a failure."""
+        cached = self._data_addresses.get(peer.node_id)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < DATA_ADDRESS_TTL_S:
+            return cached[0]
+        address = ""
+        if self.registry is not None:
+            record = await self.registry.get("store", peer.node_id)
+            if record is not None:
+                address = str(record.extra.get("data_address") or "")
+        self._data_addresses[peer.node_id] = (address, now)
+        return address
+
+    def forget(self, node_id: str) -> None:
+        self._data_addresses.pop(node_id, None)
 
     async def address_of(self, peer: PeerLocation) -> str:
         if self.registry is not None:

@@ -7,10 +7,12 @@ SSD read, verified; a corrupt copy is dropped, reported and never served).
 
 On a local miss with `allow_remote`, the block is fetched from a peer: `locate(key)`
 (the conductor's index) names the nodes holding it; for each, best tier first,
-`copy_here(peer, key)` has the transfer service copy it into this node (or, without a
-transfer service, `fetch(peer, key)` returns its bytes and this node stores them). The
-copy is kept, and the local read then serves it. Concurrent reads of one missing
-block share one fetch.
+`pull(peer, key)` pulls it over the block data path (the peer's raw TCP data port,
+straight into this node's DRAM pool, checksum verified) when the peer has one;
+otherwise `copy_here(peer, key)` has the transfer service copy it into this node (or,
+without a transfer service, `fetch(peer, key)` returns its bytes and this node stores
+them). The copy is kept, and the local read then serves it. Concurrent reads of one
+missing block share one fetch.
 
 The network calls are injected, so this module holds no gRPC, etcd or socket code.
 Call from one event loop; disk and checksum work runs on `executor`.
@@ -75,6 +77,7 @@ class PooledStore:
         locate: Callable[[KvBlockKey], Awaitable[list[PeerLocation]]] | None = None,
         copy_here: Callable[[PeerLocation, KvBlockKey], Awaitable[None]] | None = None,
         fetch: Callable[[PeerLocation, KvBlockKey], Awaitable[bytes]] | None = None,
+        pull: Callable[[PeerLocation, KvBlockKey], Awaitable[int | None]] | None = None,
     ) -> None:
         self.node_id = node_id
         self.tiered = tiered
@@ -82,6 +85,7 @@ class PooledStore:
         self._locate = locate
         self._copy_here = copy_here
         self._fetch = fetch
+        self._pull = pull
         self._inflight: dict[KvBlockKey, asyncio.Future] = {}
         self.hits = 0
         self.misses = 0
@@ -91,7 +95,9 @@ class PooledStore:
 
     @property
     def remote_enabled(self) -> bool:
-        return self._locate is not None and (self._copy_here or self._fetch) is not None
+        return (
+            self._locate is not None and (self._pull or self._copy_here or self._fetch) is not None
+        )
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -205,6 +211,12 @@ class PooledStore:
         )
 
     async def _fetch_from(self, peer: PeerLocation, key: KvBlockKey) -> None:
+        if self._pull is not None:
+            # The block data path; None when the peer has no data port.
+            pulled = await self._pull(peer, key)
+            if pulled is not None:
+                self.peer_fetch_bytes += pulled
+                return
         if self._copy_here is not None:
             try:
                 await self._copy_here(peer, key)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -16,12 +17,15 @@ from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc import (
     add_health_and_reflection,
+    error_from_status,
     set_serving,
     start_metrics_app,
     start_server,
 )
 from quillcache_store.client import MAX_MESSAGE_BYTES
 from quillcache_store.config import StoreConfig
+from quillcache_store.datapull import BlockPuller
+from quillcache_store.dataserver import BlockDataServer
 from quillcache_store.dram import DramTier
 from quillcache_store.links import ConductorLink, PeerStores, TransferLink
 from quillcache_store.pooled import PooledStore
@@ -65,8 +69,11 @@ class StoreServer:
         self.pooled: PooledStore | None = None
         self.servicer: StoreServicer | None = None
         self.server: grpc.aio.Server | None = None
+        self.data_server: BlockDataServer | None = None
+        self.puller: BlockPuller | None = None
         self.grpc_port = 0
         self.metrics_port = 0
+        self.data_port = 0
         self._ssd_corrupt_on_open = 0
         self._runner = None
         self._tasks: list[asyncio.Task] = []
@@ -98,11 +105,37 @@ class StoreServer:
             raise NodeUnavailable("no transfer service configured")
         await self.transfer.copy_here(peer, key)
 
+    async def _pull_here(self, peer, key) -> int | None:
+        """Pull one block from a peer's data port into this node; None if it has none."""
+        address = await self.peers.data_address_of(peer)
+        if not address or self.puller is None:
+            return None
+        outcomes = []
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            functools.partial(self.puller.pull, address, [key], on_result=outcomes.append),
+        )
+        outcome = outcomes[0]
+        if outcome.ok:
+            return outcome.bytes
+        if outcome.code == "UNAVAILABLE":
+            self.peers.forget(peer.node_id)  # it may have restarted elsewhere
+        code = getattr(grpc.StatusCode, outcome.code, grpc.StatusCode.UNAVAILABLE)
+        raise error_from_status(code, f"data path from {peer.node_id}: {outcome.error}")
+
     async def start(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         self.tiered = await loop.run_in_executor(self.executor, self._open_tiers)
+        if cfg.data_port >= 0:
+            self.puller = BlockPuller(
+                self.tiered, max_block_bytes=cfg.max_block_bytes, io_timeout_s=cfg.rpc_timeout_s
+            )
+            self.data_server = BlockDataServer(
+                self.tiered, cfg.host, cfg.data_port, io_timeout_s=cfg.rpc_timeout_s
+            )
+            self.data_port = self.data_server.start()
         self.pooled = PooledStore(
             cfg.node_id,
             self.tiered,
@@ -111,6 +144,7 @@ class StoreServer:
             # Without a reachable transfer service, PooledStore fetches directly.
             copy_here=self._copy_here if self.transfer is not None else None,
             fetch=self.peers.fetch,
+            pull=self._pull_here if self.puller is not None else None,
         )
         self.servicer = StoreServicer(
             cfg.node_id,
@@ -122,6 +156,9 @@ class StoreServer:
             default_chunk_bytes=cfg.default_chunk_bytes,
             put_budget=ByteBudget(cfg.max_inflight_put_bytes),
             extra_corrupt=lambda: self._ssd_corrupt_on_open,
+            puller=self.puller,
+            data_address=self.data_address,
+            pull_streams=cfg.pull_streams,
         )
         self._register_metrics()
         server = grpc.aio.server(
@@ -155,6 +192,8 @@ class StoreServer:
                     "dram_capacity_bytes": cfg.dram_capacity_bytes,
                     "ssd_capacity_bytes": cfg.ssd_capacity_bytes,
                     "metrics_url": f"http://{cfg.advertised_host}:{self.metrics_port}",
+                    # The block data path (no NodeRecord field of its own yet).
+                    **({"data_address": self.data_address} if self.data_address else {}),
                 },
             ),
             cfg.lease_ttl_s,
@@ -174,14 +213,15 @@ class StoreServer:
         await set_serving(health, [SERVICE_NAME])
         s = self.tiered.stats()
         logger.info(
-            "store %s serving on %s (dram %d bytes, ssd %d blocks / %d bytes reopened, "
-            "peer fetch via %s) in %.2fs",
+            "store %s serving on %s (data port %s, dram %d bytes, ssd %d blocks / %d bytes "
+            "reopened, peer fetch via %s) in %.2fs",
             cfg.node_id,
             self.address,
+            self.data_address or "off",
             cfg.dram_capacity_bytes,
             s["local_ssd_blocks"],
             s["local_ssd_bytes"],
-            "transfer" if self.transfer is not None else "direct",
+            "the data path" if self.puller is not None else "transfer/gRPC",
             time.monotonic() - started,
         )
 
@@ -219,9 +259,15 @@ class StoreServer:
     def address(self) -> str:
         return f"{self.config.advertised_host}:{self.grpc_port}"
 
+    @property
+    def data_address(self) -> str:
+        """host:port of the block-data port, or "" when it is off."""
+        return f"{self.config.advertised_host}:{self.data_port}" if self.data_port else ""
+
     def ready_line(self) -> str:
         host = self.config.advertised_host
-        return f"READY store grpc={host}:{self.grpc_port} metrics=http://{host}:{self.metrics_port}"
+        line = f"READY store grpc={host}:{self.grpc_port} metrics=http://{host}:{self.metrics_port}"
+        return f"{line} data={self.data_address}" if self.data_address else line
 
     def _register_metrics(self) -> None:
         m = self.metrics
@@ -285,6 +331,33 @@ class StoreServer:
             "SSD transactions committed",
             read=lambda: [((), tiered.ssd.stats()["commits"])],
         )
+        data_server, puller = self.data_server, self.puller
+        if data_server is not None and puller is not None:
+            m.gauge(
+                "store_data_sent_blocks_total",
+                "blocks sent to peers on the block data port",
+                read=lambda: [((), data_server.stats()["blocks_sent"])],
+            )
+            m.gauge(
+                "store_data_sent_bytes_total",
+                "bytes sent to peers on the block data port",
+                read=lambda: [((), data_server.stats()["bytes_sent"])],
+            )
+            m.gauge(
+                "store_data_pulled_blocks_total",
+                "blocks pulled from peers' data ports and stored",
+                read=lambda: [((), puller.blocks_pulled)],
+            )
+            m.gauge(
+                "store_data_pulled_bytes_total",
+                "bytes pulled from peers' data ports and stored",
+                read=lambda: [((), puller.bytes_pulled)],
+            )
+            m.gauge(
+                "store_data_pull_failures_total",
+                "blocks a pull did not store (source or local errors)",
+                read=lambda: [((), puller.blocks_failed)],
+            )
         m.gauge(
             "store_residency_events_pending",
             "residency events not yet sent",
@@ -316,6 +389,10 @@ class StoreServer:
                 await self.registry.deregister("store", cfg.node_id)
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        if self.data_server is not None:
+            self.data_server.stop()
+        if self.puller is not None:
+            self.puller.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

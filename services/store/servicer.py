@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -25,7 +26,8 @@ from quillcache.v1 import store_pb2
 from quillcache_core.errors import CapacityExceeded, InvalidArgument, QuillCacheError
 from quillcache_core.model import CacheTier
 from quillcache_core.rpc import stream_errors, unary_errors
-from quillcache_store import wire
+from quillcache_store import dataproto, wire
+from quillcache_store.datapull import BlockPuller, PullOutcome
 from quillcache_store.pooled import PooledStore
 from quillcache_store.tiers import TieredStore
 
@@ -83,6 +85,9 @@ class StoreServicer:
         default_chunk_bytes: int,
         put_budget: ByteBudget,
         extra_corrupt: Callable[[], int] = lambda: 0,
+        puller: BlockPuller | None = None,
+        data_address: str = "",
+        pull_streams: int = 2,
     ) -> None:
         self.node_id = node_id
         self.tiered = tiered
@@ -93,6 +98,9 @@ class StoreServicer:
         self.default_chunk_bytes = default_chunk_bytes
         self._budget = put_budget
         self._extra_corrupt = extra_corrupt
+        self.puller = puller
+        self.data_address = data_address
+        self.pull_streams = pull_streams
         self.puts = {CacheTier.CPU_DRAM: 0, CacheTier.LOCAL_SSD: 0}
         self.put_bytes = 0
         self.get_bytes = 0
@@ -124,6 +132,11 @@ class StoreServicer:
                 self.Stats,
                 request_deserializer=store_pb2.StoreStatsRequest.FromString,
                 response_serializer=store_pb2.StoreStatsResponse.SerializeToString,
+            ),
+            "Pull": grpc.unary_stream_rpc_method_handler(
+                self.Pull,
+                request_deserializer=store_pb2.PullRequest.FromString,
+                response_serializer=store_pb2.PullResult.SerializeToString,
             ),
         }
 
@@ -282,6 +295,70 @@ class StoreServicer:
         finally:
             block.release()
 
+    # --- Pull (the block data path) -------------------------------------------------------
+
+    @stream_errors
+    async def Pull(self, request, context):
+        if self.puller is None:
+            raise InvalidArgument("this node's block data path is off (--data-port -1)")
+        if not request.source_data_address:
+            raise InvalidArgument("source_data_address is required")
+        if not request.keys:
+            raise InvalidArgument("keys is empty: nothing to pull")
+        if len(request.keys) > dataproto.MAX_REQUEST_KEYS:
+            raise InvalidArgument(
+                f"{len(request.keys)} keys exceed the maximum of {dataproto.MAX_REQUEST_KEYS}"
+            )
+        if request.source_data_address == self.data_address:
+            raise InvalidArgument("the source is this node")
+        keys = [wire.key_from_proto(k, f"keys[{i}]") for i, k in enumerate(request.keys)]
+        tier = _put_tier(request.tier)
+        loop = asyncio.get_running_loop()
+        results: asyncio.Queue[PullOutcome] = asyncio.Queue()
+        cancelled = threading.Event()
+        # Several connections at once: one stream leaves both ends idle in turns (a
+        # block's header, checksum and commit); two kept this machine's cores busier.
+        streams = max(1, min(self.pull_streams, len(keys)))
+        pulls = []
+        for s in range(streams):
+            indices = list(range(s, len(keys), streams))
+
+            def deliver(outcome: PullOutcome, indices=indices) -> None:
+                outcome.index = indices[outcome.index]
+                loop.call_soon_threadsafe(results.put_nowait, outcome)
+
+            pulls.append(
+                loop.run_in_executor(
+                    self._executor,
+                    functools.partial(
+                        self.puller.pull,
+                        request.source_data_address,
+                        [keys[i] for i in indices],
+                        on_result=deliver,
+                        tier=tier,
+                        durable=request.durable,
+                        cancelled=cancelled,
+                    ),
+                )
+            )
+        pulling = asyncio.gather(*pulls)
+        try:
+            for _ in keys:
+                outcome = await results.get()
+                yield store_pb2.PullResult(
+                    index=outcome.index,
+                    ok=outcome.ok,
+                    bytes=outcome.bytes,
+                    checksum=outcome.checksum,
+                    tier=wire.tier_to_proto(outcome.tier),
+                    code=outcome.code,
+                    error=outcome.error,
+                    source_failed=outcome.source_failed,
+                )
+            await pulling
+        finally:
+            cancelled.set()  # the caller went away: stop between blocks
+
     # --- small calls ------------------------------------------------------------------------
 
     @unary_errors
@@ -319,6 +396,7 @@ class StoreServicer:
             evictions=s["evictions"],
             corrupt_blocks=s["corrupt"] + self._extra_corrupt(),
             peer_fetches=self.pooled.peer_fetches,
+            data_address=self.data_address,
         )
 
 

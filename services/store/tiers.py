@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from quillcache_core.errors import CapacityExceeded, Corrupt, InvalidArgument, NotFound
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store.blockcodec import CorruptBlock, payload_checksum
-from quillcache_store.dram import DramTier
+from quillcache_store.dram import DramTier, Reservation
 from quillcache_store.ssd import SsdTier
 
 log = logging.getLogger(__name__)
@@ -153,11 +153,79 @@ class TieredStore:
         if not already:
             self._emit(STORED, key, CacheTier.LOCAL_SSD, view.nbytes)
 
+    def put_filled(
+        self,
+        key: KvBlockKey,
+        nbytes: int,
+        checksum: int,
+        fill: Callable[[memoryview], None],
+        *,
+        durable: bool = False,
+        tier: CacheTier = CacheTier.CPU_DRAM,
+    ) -> CacheTier:
+        """Store a block of `nbytes` whose bytes `fill(view)` writes (e.g. from a socket).
+
+        `fill` must fill the whole view and verify it against `checksum` (raising
+        Corrupt on a mismatch), or raise; it is called exactly once unless an error is
+        raised first (the caller then still owns the unread bytes). Into DRAM (the
+        default) `fill` writes straight into a pooled buffer: one copy of the bytes.
+        For the SSD tier, durable puts, and blocks DRAM cannot hold, it fills a
+        scratch buffer that `put` then stores. If `fill` raises, nothing is stored and
+        a block already held under the key is left as it was.
+        """
+        if tier not in (CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD):
+            raise InvalidArgument(f"a store node holds cpu_dram or local_ssd, not {tier}")
+        if nbytes <= 0:
+            raise InvalidArgument(f"block size must be positive, got {nbytes}")
+
+        def via_scratch() -> CacheTier:
+            scratch = memoryview(bytearray(nbytes))
+            fill(scratch)
+            return self.put(key, scratch, durable=durable, tier=tier, checksum=checksum)
+
+        if tier is CacheTier.LOCAL_SSD or durable:
+            return via_scratch()
+        with self._stripe(key):
+            if self.dram.refresh(key, nbytes, checksum):
+                fill(memoryview(bytearray(nbytes)))  # the same bytes: read and verify them
+                return CacheTier.CPU_DRAM
+            try:
+                self._put_dram_with(
+                    key,
+                    nbytes,
+                    lambda reservation: self.dram.commit_fill(reservation, fill, checksum),
+                )
+            except CapacityExceeded as exc:
+                if getattr(exc, "deleted", None) is not None:
+                    raise  # fill already ran (or the pool stayed full after the victims left)
+                with self._lock:
+                    self._dram_fallbacks += 1
+                log.debug("block %s goes to SSD: %s", key.block_hash, exc)
+            else:
+                held = self.ssd.info(key)
+                if held is not None and held[1] != checksum and self.ssd.delete(key):
+                    self._emit(REMOVED, key, CacheTier.LOCAL_SSD, held[0])
+                return CacheTier.CPU_DRAM
+        scratch = memoryview(bytearray(nbytes))
+        fill(scratch)
+        with self._stripe(key):
+            self._put_ssd(key, scratch, checksum)
+        return CacheTier.LOCAL_SSD
+
     def _put_dram(self, key: KvBlockKey, view: memoryview, digest: int) -> None:
         """Store in DRAM, demoting (write + commit on SSD) the victims before freeing them."""
         if self.dram.refresh(key, view.nbytes, digest):
             return  # the same bytes are already there
-        reservation = self.dram.reserve(key, view.nbytes, headroom_bytes=self._demote_batch)
+        self._put_dram_with(
+            key, view.nbytes, lambda reservation: self.dram.commit(reservation, view, digest)
+        )
+
+    def _put_dram_with(
+        self, key: KvBlockKey, nbytes: int, commit: Callable[[Reservation], list[KvBlockKey]]
+    ) -> None:
+        """Reserve room, demote the victims, then `commit(reservation)` (`DramTier.commit`
+        or `commit_fill`, returning the victims deleted meanwhile)."""
+        reservation = self.dram.reserve(key, nbytes, headroom_bytes=self._demote_batch)
         written: set[KvBlockKey] = set()
         corrupt: set[KvBlockKey] = set()
         try:
@@ -172,12 +240,17 @@ class TieredStore:
         except BaseException:
             self.dram.abort(reservation)
             raise
-        failure: CapacityExceeded | None = None
+        failure: BaseException | None = None
         try:
-            deleted = set(self.dram.commit(reservation, view, digest))
-        except CapacityExceeded as exc:  # victims are gone, the block is not stored
+            deleted = set(commit(reservation))
+        except BaseException as exc:
+            if getattr(exc, "deleted", None) is None:
+                if reservation.state == "open":
+                    self.dram.abort(reservation)
+                raise
+            # The victims are gone (demoted), the block is not stored.
             failure = exc
-            deleted = set(getattr(exc, "deleted", ()))
+            deleted = set(exc.deleted)
         # A victim evicted from SSD by its own demotion batch was never visible there.
         lost = {k for k, _ in evicted if k in written}
         self._report_ssd_evictions([(k, n) for k, n in evicted if k not in lost])
@@ -199,7 +272,7 @@ class TieredStore:
             self._emit(REMOVED, victim.key, CacheTier.CPU_DRAM, victim.nbytes)
         if failure is not None:
             raise failure
-        self._emit(STORED, key, CacheTier.CPU_DRAM, view.nbytes)
+        self._emit(STORED, key, CacheTier.CPU_DRAM, nbytes)
 
     def _report_ssd_evictions(self, evicted: list[tuple[KvBlockKey, int]]) -> None:
         if not evicted:

@@ -11,8 +11,11 @@ from quillcache_transfer.config import TransferConfig
 
 DESCRIPTION = (
     "QuillCache transfer service: Copy, Move and Prefetch of blocks between store nodes "
-    "resolved through the registry, streamed in chunks with a bounded window, checksums "
-    "verified end to end. Prints 'READY transfer grpc=HOST:PORT metrics=http://HOST:PORT'."
+    "resolved through the registry. The destination pulls the blocks from the source's "
+    "raw TCP block-data port (the bytes go store to store); without one, they stream "
+    "through this service in chunks with a bounded window. Checksums verified end to "
+    "end, retries with backoff, per-block results. Prints 'READY transfer "
+    "grpc=HOST:PORT metrics=http://HOST:PORT'."
 )
 
 

@@ -24,12 +24,23 @@ class TransferConfig:
         "NodeRegistry resolving store node ids: an etcd URL such as http://127.0.0.1:2379",
     )
     lease_ttl_s: float = opt(3.0, "lease TTL of this service's registry record, seconds")
-    default_window: int = opt(8, "blocks in flight per request when the request gives none")
+    data_path: bool = opt(
+        True,
+        "have the destination pull the blocks from the source's raw TCP block-data port "
+        "when both stores advertise one (else stream Get into Put over gRPC)",
+    )
+    default_window: int = opt(
+        8, "gRPC path: blocks in flight per request when the request gives none"
+    )
     max_window: int = opt(64, "largest window a request may ask for")
-    chunk_bytes: int = opt(1 * MIB, "chunk size of the streams when the request gives none")
+    chunk_bytes: int = opt(
+        1 * MIB, "gRPC path: chunk size of the streams when the request gives none"
+    )
     retries: int = opt(3, "retries of a block after UNAVAILABLE (either side)")
     backoff_s: float = opt(0.1, "first retry delay; doubles per retry, up to 2 s")
-    block_timeout_s: float = opt(30.0, "deadline of one block's Get and Put calls")
+    block_timeout_s: float = opt(
+        30.0, "deadline of one block's Get and Put calls (data path: per block of a Pull)"
+    )
     progress_every_blocks: int = opt(16, "a progress message at least every N finished blocks")
     progress_interval_s: float = opt(0.5, "and at least this often while blocks are in flight")
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -1,19 +1,31 @@
 """Moving blocks between two store nodes: the transfer service's core.
 
-`run_transfer(mode, source, destination, keys, ...)` copies each block by streaming the
-source's Get into the destination's Put, chunk by chunk as they arrive (the chunks are
-forwarded, not reassembled). At most `window` blocks are in flight. The checksum from
-the source's first chunk travels in the first PutChunk, and the destination stores the
-block only if the whole block matches it: verification is end to end. A failed block
-cancels its Put, and the store commits only complete, verified blocks, so a source dying
-mid-block never leaves a half-written block behind.
+Two data paths, one orchestration (retries, progress, per-block results):
+
+- The block data path (when `run_transfer` gets the source's `data_address`): the
+  destination is told to pull (`Store.Pull`), and fetches the blocks from the source's
+  raw TCP block-data port, straight into its DRAM pool, verifying each block against
+  the checksum the source recorded. The bytes cross the network once, store to store;
+  this service only sees one small result per block. Blocks go in Pull calls of up to
+  `PULL_BATCH_BLOCKS`, one call at a time: one connection streams them back to back
+  (TCP's flow control bounds what is in flight; `window` does not apply). Pull, not
+  push: the destination owns the buffers the bytes land in and the decision to make a
+  block visible, so a source dying mid-block can only lose that block.
+- gRPC (otherwise): each block streams the source's Get into the destination's Put,
+  chunk by chunk as they arrive (the chunks are forwarded, not reassembled). At most
+  `window` blocks are in flight. The checksum from the source's first chunk travels in
+  the first PutChunk, and the destination stores the block only if the whole block
+  matches it. A failed block cancels its Put.
+
+Either way verification is end to end and the store commits only complete, verified
+blocks, so a source dying mid-block never leaves a half-written block behind.
 
 A block that fails with UNAVAILABLE (either side) is retried with backoff (`retries`
 times). Once one side has failed that way through all retries, the remaining blocks of
 the request fail at once with the same error instead of waiting through theirs.
 
 Modes: "copy"; "move" deletes each block at the source once the destination has
-acknowledged it; "prefetch" first asks the destination which blocks it already holds
+acknowledged it (on the data path in groups of up to `MOVE_DELETE_BATCH` blocks); "prefetch" first asks the destination which blocks it already holds
 (Exists), skips those and writes the rest into DRAM.
 
 `run_transfer` yields `Progress` snapshots: at least every `progress_every` finished
@@ -26,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -42,6 +54,8 @@ from quillcache_store.client import StoreClient
 log = logging.getLogger(__name__)
 
 MODES = ("copy", "move", "prefetch")
+PULL_BATCH_BLOCKS = 256
+MOVE_DELETE_BATCH = 16  # move: source deletes go in groups of this many blocks
 _MAX_BACKOFF_S = 2.0
 
 
@@ -268,6 +282,119 @@ async def _one_block(
     return BlockOutcome(key, True, bytes=nbytes)
 
 
+def _failure(key: KvBlockKey, side: str, node: str, code: str, message: str) -> BlockOutcome:
+    what = "nothing stored at the destination" if side == "source" else "not stored"
+    return BlockOutcome(
+        key, False, error=f"{side} node {node}: {code}: {message}; {what}", code=code
+    )
+
+
+async def _pull_blocks(
+    mode: str,
+    source: StoreClient,
+    destination: StoreClient,
+    names: tuple[str, str],
+    keys: Sequence[KvBlockKey],
+    todo: list[int],
+    opts: TransferOptions,
+    data_address: Callable[[], Awaitable[str]],
+    stats: TransferStats,
+    report: Callable[[int, BlockOutcome], None],
+) -> None:
+    """The block data path: `report`s exactly one outcome per index of `todo`."""
+    sides = {"source": names[0], "destination": names[1]}
+    pending = list(todo)
+    attempt = 0
+    delay = opts.backoff_s
+    while pending:
+        retry: dict[int, tuple[str, str]] = {}  # index -> (side, message) of UNAVAILABLE
+        for start in range(0, len(pending), PULL_BATCH_BLOCKS):
+            batch = pending[start : start + PULL_BATCH_BLOCKS]
+            seen: set[int] = set()
+            copied: list[tuple[int, int]] = []
+            stats.inflight += len(batch)
+            try:
+                address = await data_address()
+                call = destination.open_pull(
+                    names[0],
+                    address,
+                    [keys[i] for i in batch],
+                    tier=opts.tier,
+                    durable=opts.durable,
+                    timeout_s=opts.block_timeout_s * len(batch),
+                )
+                async for result in call:
+                    i = batch[result.index]
+                    seen.add(i)
+                    side = "source" if result.source_failed else "destination"
+                    if result.ok:
+                        copied.append((i, result.bytes))
+                        if mode != "move" or len(copied) >= MOVE_DELETE_BATCH:
+                            await _finish_copied(mode, source, names, keys, copied, report)
+                            copied = []
+                    elif result.code == "UNAVAILABLE":
+                        retry[i] = (side, result.error)
+                    else:
+                        report(i, _failure(keys[i], side, sides[side], result.code, result.error))
+            except grpc.aio.AioRpcError as exc:
+                details = exc.details() or exc.code().name
+                for i in batch:
+                    if i in seen:
+                        continue
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        retry[i] = ("destination", details)
+                    else:
+                        report(
+                            i, _failure(keys[i], "destination", names[1], exc.code().name, details)
+                        )
+            except QuillCacheError as exc:  # resolving the source
+                for i in batch:
+                    if i not in seen:
+                        report(
+                            i, _failure(keys[i], "source", names[0], _code_of(exc).name, str(exc))
+                        )
+            finally:
+                stats.inflight -= len(batch)
+            await _finish_copied(mode, source, names, keys, copied, report)
+        if not retry:
+            return
+        if attempt >= opts.retries:
+            for i, (side, message) in sorted(retry.items()):
+                message = f"{message} (after {attempt + 1} attempts)"
+                report(i, _failure(keys[i], side, sides[side], "UNAVAILABLE", message))
+            return
+        attempt += 1
+        stats.retries += len(retry)
+        log.debug("%d blocks unavailable; retry %d in %.2fs", len(retry), attempt, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _MAX_BACKOFF_S)
+        pending = sorted(retry)
+
+
+async def _finish_copied(mode, source, names, keys, copied, report) -> None:
+    """Report the copied blocks; for "move", delete them at the source first."""
+    if not copied:
+        return
+    if mode == "move":
+        try:
+            await source.delete([keys[i] for i, _ in copied])
+        except QuillCacheError as exc:
+            for i, nbytes in copied:
+                report(
+                    i,
+                    BlockOutcome(
+                        keys[i],
+                        False,
+                        bytes=nbytes,
+                        error=f"copied to {names[1]} but not deleted at {names[0]}: {exc}",
+                        code=_code_of(exc).name,
+                    ),
+                )
+            return
+    for i, nbytes in copied:
+        report(i, BlockOutcome(keys[i], True, bytes=nbytes))
+
+
 async def run_transfer(
     mode: str,
     source: StoreClient,
@@ -276,10 +403,14 @@ async def run_transfer(
     keys: Sequence[KvBlockKey],
     opts: TransferOptions,
     stats: TransferStats | None = None,
+    *,
+    data_address: Callable[[], Awaitable[str]] | None = None,
 ) -> AsyncIterator[Progress]:
     """Transfer `keys`; yields Progress (see the module docstring). `names` are the
-    (source, destination) node ids, for messages. Closing the generator cancels the
-    blocks still in flight."""
+    (source, destination) node ids, for messages. With `data_address` (resolving the
+    source's block-data address, again before each retry) the destination pulls the
+    blocks over the block data path; else they stream over gRPC. Closing the
+    generator cancels the blocks still in flight."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     stats = stats or TransferStats()
@@ -317,7 +448,28 @@ async def run_transfer(
         outcomes[i] = outcome
         done_queue.put_nowait(i)
 
-    tasks = [asyncio.create_task(run_one(i), name=f"transfer-block-{i}") for i in todo]
+    def report(i: int, outcome: BlockOutcome) -> None:
+        if outcomes[i] is None:
+            outcomes[i] = outcome
+            done_queue.put_nowait(i)
+
+    async def pull_all() -> None:
+        try:
+            await _pull_blocks(
+                mode, source, destination, names, keys, todo, opts, data_address, stats, report
+            )
+        except Exception as exc:  # a bug, not an input: keep the request alive
+            log.exception("pull of %d blocks failed unexpectedly", len(todo))
+            for i in todo:
+                report(
+                    i,
+                    BlockOutcome(keys[i], False, error=f"internal error: {exc!r}", code="INTERNAL"),
+                )
+
+    if data_address is not None:
+        tasks = [asyncio.create_task(pull_all(), name="transfer-pull")] if todo else []
+    else:
+        tasks = [asyncio.create_task(run_one(i), name=f"transfer-block-{i}") for i in todo]
     done = failed = skipped = nbytes = 0
     fresh: list[BlockOutcome] = []
     last_emit = time.monotonic()

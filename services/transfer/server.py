@@ -62,6 +62,13 @@ class TransferServer:
             read=lambda: [((mode,), n) for mode, n in servicer.requests.items()],
         )
         m.gauge(
+            "transfer_requests_by_path_total",
+            "requests by the path their bytes took ('data': store to store over the "
+            "sources' block-data ports; 'grpc': streamed through this service)",
+            ["path"],
+            read=lambda: [((path,), n) for path, n in servicer.paths.items()],
+        )
+        m.gauge(
             "transfer_retries_total",
             "block retries after UNAVAILABLE",
             read=lambda: [((), stats.retries)],

@@ -52,11 +52,17 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         self.stats = stats
         self._clients: dict[str, StoreClient] = {}
         self.requests: dict[str, int] = {}
+        self.paths: dict[str, int] = {}  # requests per data path
 
     async def _store(self, node_id: str) -> StoreClient:
+        return (await self._resolve(node_id))[0]
+
+    async def _resolve(self, node_id: str) -> tuple[StoreClient, str]:
+        """The node's client and its block-data address ("" if it has none)."""
         record = await self.registry.get("store", node_id)
         if record is None or not record.address:
             raise NotFound(f"store node {node_id!r} is not registered")
+        data_address = str(record.extra.get("data_address") or "")
         client = self._clients.get(record.address)
         if client is None:
             client = StoreClient(
@@ -67,7 +73,20 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
                 backoff_s=self.config.backoff_s,
             )
             self._clients[record.address] = client
-        return client
+        return client, data_address
+
+    def _source_data_address(self, node_id: str, known: str):
+        """Re-resolves the source's data address before each retry (it may have restarted
+        on another port); keeps the last known one while its record is gone."""
+        last = [known]
+
+        async def resolve() -> str:
+            record = await self.registry.get("store", node_id)
+            if record is not None and record.extra.get("data_address"):
+                last[0] = str(record.extra["data_address"])
+            return last[0]
+
+        return resolve
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
@@ -99,8 +118,12 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
             raise InvalidArgument(
                 f"chunk_bytes must be in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, got {chunk}"
             )
-        source = await self._store(request.source_node)
-        destination = await self._store(request.destination_node)
+        source, source_data = await self._resolve(request.source_node)
+        destination, destination_data = await self._resolve(request.destination_node)
+        # Both ends must have a data port: the destination's Pull needs its own.
+        data_address = None
+        if cfg.data_path and source_data and destination_data:
+            data_address = self._source_data_address(request.source_node, source_data)
         opts = TransferOptions(
             window=window,
             chunk_bytes=chunk,
@@ -114,15 +137,18 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         )
         self.requests[mode] = self.requests.get(mode, 0) + 1
         names = (request.source_node, request.destination_node)
-        logger.debug("%s of %d blocks %s -> %s", mode, len(keys), *names)
+        path = "data" if data_address is not None else "grpc"
+        self.paths[path] = self.paths.get(path, 0) + 1
+        logger.debug("%s of %d blocks %s -> %s (%s path)", mode, len(keys), *names, path)
         async for progress in run_transfer(
-            mode, source, destination, names, keys, opts, self.stats
+            mode, source, destination, names, keys, opts, self.stats, data_address=data_address
         ):
             if progress.finished:
                 logger.info(
-                    "%s %s -> %s: %d blocks, %d failed, %d skipped, %.1f MB/s",
+                    "%s %s -> %s (%s path): %d blocks, %d failed, %d skipped, %.1f MB/s",
                     mode,
                     *names,
+                    path,
                     progress.blocks_total,
                     progress.blocks_failed,
                     progress.blocks_skipped,

@@ -1,5 +1,9 @@
 """The transfer service as a real process, between real store processes, with etcd:
-peer fetch, Copy/Move/Prefetch, a source dying mid-transfer, bad requests."""
+peer fetch, Copy/Move/Prefetch, a source dying mid-transfer, bad requests.
+
+Where both paths exist, each test runs on both: the block data path (stores pull from
+each other's raw TCP data ports, the default) and gRPC (Get streamed into Put through
+the transfer service: `--data-path false`, or a source with `--data-port -1`)."""
 
 from __future__ import annotations
 
@@ -49,9 +53,17 @@ def transfer(proc, method: str, keys, src="store-a", dst="store-b", **kw):
         return list(getattr(stub, method)(request, timeout=60))
 
 
-def test_a_get_on_node_b_is_served_from_node_a_through_transfer(fleet):
+def metrics(proc) -> str:
+    with urllib.request.urlopen(proc.metrics_url + "/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+@pytest.mark.parametrize("path", ["data", "grpc"])
+def test_a_get_on_node_b_is_served_from_node_a(fleet, path):
+    """Over the data path B pulls from A's data port itself; without one (A started
+    with --data-port -1) B has the transfer service copy it over gRPC."""
     conductor = fleet.conductor()
-    a = fleet.store("store-a")
+    a = fleet.store("store-a", *([] if path == "data" else ["--data-port", "-1"]))
     b = fleet.store("store-b")
     xfer = fleet.transfer()
     key = block_key(0, chain="p")
@@ -74,9 +86,15 @@ def test_a_get_on_node_b_is_served_from_node_a_through_transfer(fleet):
     assert data == payload and again == payload
     assert tier is CacheTier.CPU_DRAM and present == [CacheTier.CPU_DRAM]
     assert stats["peer_fetches"] == 1
-    with urllib.request.urlopen(xfer.metrics_url + "/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    assert 'quillcache_transfer_blocks_total{mode="copy",result="ok"} 1' in text
+    copied = 'quillcache_transfer_blocks_total{mode="copy",result="ok"} 1'
+    if path == "data":
+        assert "data" in a.fields and stats["data_address"] == b.fields["data"]
+        assert "quillcache_store_data_sent_blocks_total 1" in metrics(a)
+        assert f"quillcache_store_data_pulled_bytes_total {len(payload)}" in metrics(b)
+        assert copied not in metrics(xfer)
+    else:
+        assert "data" not in a.fields
+        assert copied in metrics(xfer)
     # B reported its new copy: the index now knows both nodes.
     wait_until(
         lambda: (
@@ -94,10 +112,14 @@ def _results(messages):
     return final, {r.key.block_hash: r for r in final.results}
 
 
-def test_copy_move_and_prefetch_report_progress_and_verify_checksums(fleet):
+PATH_FLAGS = {"data": [], "grpc": ["--data-path", "false"]}
+
+
+@pytest.mark.parametrize("path", ["data", "grpc"])
+def test_copy_move_and_prefetch_report_progress_and_verify_checksums(fleet, path):
     a = fleet.store("store-a")
     b = fleet.store("store-b")
-    xfer = fleet.transfer("--progress-every-blocks", "4")
+    xfer = fleet.transfer("--progress-every-blocks", "4", *PATH_FLAGS[path])
     keys = [block_key(i, chain="m") for i in range(24)]
     payloads = [kv_payload(200 + i, SHAPES["2MiB" if i % 2 else "0.5MiB"]) for i in range(24)]
     put_all(a, keys, payloads)
@@ -145,12 +167,18 @@ def test_copy_move_and_prefetch_report_progress_and_verify_checksums(fleet):
     tiers_a = call(a, check_a)
     assert tiers_a[12:18] == [None] * 6
     assert all(t is CacheTier.CPU_DRAM for t in tiers_a[:12] + tiers_a[18:])
+    assert f'quillcache_transfer_requests_by_path_total{{path="{path}"}} 3' in metrics(xfer)
 
 
-def test_a_source_killed_mid_transfer_leaves_nothing_half_written(fleet):
+@pytest.mark.parametrize("path", ["data", "grpc"])
+def test_a_source_killed_mid_transfer_leaves_nothing_half_written(fleet, path):
     a = fleet.store("store-a", dram=256 * 1024 * 1024)
     b = fleet.store("store-b")
-    xfer = fleet.transfer("--progress-every-blocks", "1", "--backoff-s", "0.05")
+    xfer = fleet.transfer("--progress-every-blocks", "1", "--backoff-s", "0.05", *PATH_FLAGS[path])
+    # Either path can outrun the kill into DRAM on a busy machine: landing on SSD (a
+    # commit per block) keeps the transfer going long enough for the kill to land
+    # mid-way.
+    tier = common_pb2.TIER_LOCAL_SSD
     keys = [block_key(i, chain="s") for i in range(64)]
     payloads = [kv_payload(300 + i) for i in range(64)]
     put_all(a, keys, payloads)
@@ -163,6 +191,7 @@ def test_a_source_killed_mid_transfer_leaves_nothing_half_written(fleet):
             keys=[wire.key_to_proto(k) for k in keys],
             window=2,
             chunk_bytes=64 * 1024,  # many chunks per block: the kill lands mid-block
+            destination_tier=tier,
         )
         for message in transfer_pb2_grpc.TransferStub(channel).Copy(request, timeout=60):
             messages.append(message)
@@ -187,7 +216,7 @@ def test_a_source_killed_mid_transfer_leaves_nothing_half_written(fleet):
     for key, payload in zip(keys, payloads, strict=True):
         if key in ok:
             assert data[key.block_hash] == payload
-    assert stats["dram_blocks"] == len(ok)
+    assert stats["ssd_blocks"] == len(ok)
 
 
 def test_unknown_nodes_and_bad_requests_get_clear_errors(fleet):

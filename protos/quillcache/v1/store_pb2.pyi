@@ -92,7 +92,7 @@ class StoreStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStatsResponse(_message.Message):
-    __slots__ = ("node_id", "dram_bytes", "dram_blocks", "dram_capacity_bytes", "ssd_bytes", "ssd_blocks", "ssd_capacity_bytes", "hits", "misses", "demotions", "evictions", "corrupt_blocks", "peer_fetches")
+    __slots__ = ("node_id", "dram_bytes", "dram_blocks", "dram_capacity_bytes", "ssd_bytes", "ssd_blocks", "ssd_capacity_bytes", "hits", "misses", "demotions", "evictions", "corrupt_blocks", "peer_fetches", "data_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class StoreStatsResponse(_message.Message):
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEER_FETCHES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     dram_bytes: int
     dram_blocks: int
@@ -119,4 +120,39 @@ class StoreStatsResponse(_message.Message):
     evictions: int
     corrupt_blocks: int
     peer_fetches: int
-    def __init__(self, node_id: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., peer_fetches: _Optional[int] = ...) -> None: ...
+    data_address: str
+    def __init__(self, node_id: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., peer_fetches: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("source_node", "source_data_address", "keys", "tier", "durable")
+    SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    source_node: str
+    source_data_address: str
+    keys: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockKey]
+    tier: _common_pb2.Tier
+    durable: bool
+    def __init__(self, source_node: _Optional[str] = ..., source_data_address: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[_common_pb2.BlockKey, _Mapping]]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class PullResult(_message.Message):
+    __slots__ = ("index", "ok", "bytes", "checksum", "tier", "code", "error", "source_failed")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    ok: bool
+    bytes: int
+    checksum: int
+    tier: _common_pb2.Tier
+    code: str
+    error: str
+    source_failed: bool
+    def __init__(self, index: _Optional[int] = ..., ok: _Optional[bool] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., code: _Optional[str] = ..., error: _Optional[str] = ..., source_failed: _Optional[bool] = ...) -> None: ...

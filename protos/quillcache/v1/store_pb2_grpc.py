@@ -32,6 +32,11 @@ class StoreStub:
     that field by hand (tag, length, then the bytes) after a normally serialised
     header, which is valid protobuf wire format and avoids copying a 2 MiB buffer
     through a message object.
+
+    Between store nodes, bytes also travel on the block data path: every node
+    listens on a raw TCP block-data port (its registry record's `data_address`), and
+    Pull has this node fetch blocks from another node's port straight into its own
+    tiers (the transfer service calls it on the destination).
     """
 
     def __init__(self, channel):
@@ -65,6 +70,11 @@ class StoreStub:
                 request_serializer=quillcache_dot_v1_dot_store__pb2.StoreStatsRequest.SerializeToString,
                 response_deserializer=quillcache_dot_v1_dot_store__pb2.StoreStatsResponse.FromString,
                 _registered_method=True)
+        self.Pull = channel.unary_stream(
+                '/quillcache.v1.Store/Pull',
+                request_serializer=quillcache_dot_v1_dot_store__pb2.PullRequest.SerializeToString,
+                response_deserializer=quillcache_dot_v1_dot_store__pb2.PullResult.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -74,6 +84,11 @@ class StoreServicer:
     that field by hand (tag, length, then the bytes) after a normally serialised
     header, which is valid protobuf wire format and avoids copying a 2 MiB buffer
     through a message object.
+
+    Between store nodes, bytes also travel on the block data path: every node
+    listens on a raw TCP block-data port (its registry record's `data_address`), and
+    Pull has this node fetch blocks from another node's port straight into its own
+    tiers (the transfer service calls it on the destination).
     """
 
     def Put(self, request_iterator, context):
@@ -106,6 +121,15 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pull(self, request, context):
+        """Pull blocks from a source node's block-data port into this node. One result
+        per key as each block is stored (or fails); over several connections at once,
+        so not necessarily in request order (see PullResult.index).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +158,11 @@ def add_StoreServicer_to_server(servicer, server):
                     request_deserializer=quillcache_dot_v1_dot_store__pb2.StoreStatsRequest.FromString,
                     response_serializer=quillcache_dot_v1_dot_store__pb2.StoreStatsResponse.SerializeToString,
             ),
+            'Pull': grpc.unary_stream_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=quillcache_dot_v1_dot_store__pb2.PullRequest.FromString,
+                    response_serializer=quillcache_dot_v1_dot_store__pb2.PullResult.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'quillcache.v1.Store', rpc_method_handlers)
@@ -149,6 +178,11 @@ class Store:
     that field by hand (tag, length, then the bytes) after a normally serialised
     header, which is valid protobuf wire format and avoids copying a 2 MiB buffer
     through a message object.
+
+    Between store nodes, bytes also travel on the block data path: every node
+    listens on a raw TCP block-data port (its registry record's `data_address`), and
+    Pull has this node fetch blocks from another node's port straight into its own
+    tiers (the transfer service calls it on the destination).
     """
 
     @staticmethod
@@ -276,6 +310,33 @@ class Store:
             '/quillcache.v1.Store/Stats',
             quillcache_dot_v1_dot_store__pb2.StoreStatsRequest.SerializeToString,
             quillcache_dot_v1_dot_store__pb2.StoreStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/quillcache.v1.Store/Pull',
+            quillcache_dot_v1_dot_store__pb2.PullRequest.SerializeToString,
+            quillcache_dot_v1_dot_store__pb2.PullResult.FromString,
             options,
             channel_credentials,
             insecure,

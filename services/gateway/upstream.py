@@ -1,0 +1,324 @@
+"""A lean keep-alive HTTP/1.1 client for the gateway's calls to engines.
+
+The gateway POSTs one JSON body per request to a handful of long-lived engines and
+relays the answer. A general client (cookies, redirects, tracing, auto headers, a
+timer per read) costs more CPU per request than the rest of the gateway's path; this
+one does only what that path needs: pooled connections per engine, one write per
+request, the response head parsed once, the body read by Content-Length, chunked
+framing or to EOF, and one timer per request for the total deadline.
+
+A request that fails on a reused connection before any byte of the answer arrived
+is sent once more on a new connection (the engine closed an idle connection as it
+was being reused). Not thread-safe: one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 64 * 1024
+READ_LIMIT = 1024 * 1024
+
+
+class UpstreamError(Exception):
+    """The engine's answer is not valid HTTP/1.x, or it timed out."""
+
+
+# What a failed engine call raises: the socket's errors, an early EOF, a malformed answer.
+UPSTREAM_ERRORS = (OSError, EOFError, asyncio.LimitOverrunError, TimeoutError, UpstreamError)
+
+
+class _Conn:
+    __slots__ = ("reader", "writer", "idle_since", "reused")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.idle_since = 0.0
+        self.reused = False
+
+    def usable(self, now: float, idle_s: float) -> bool:
+        return (
+            not self.reader.at_eof()
+            and not self.writer.is_closing()
+            and now - self.idle_since < idle_s
+        )
+
+    def close(self) -> None:
+        self.writer.transport.abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections per (host, port), at most `max_idle_per_host` idle each."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float = 2.0,
+        total_timeout_s: float = 300.0,
+        idle_timeout_s: float = 30.0,
+        max_idle_per_host: int = 512,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.total_timeout_s = total_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_idle_per_host = max_idle_per_host
+        self._idle: dict[tuple[str, int], deque[_Conn]] = {}
+        self._targets: dict[str, tuple[str, int, bytes]] = {}
+        self._closed = False
+
+    async def post(self, base_url: str, path: str, body: bytes, headers: bytes) -> UpstreamReply:
+        """POST `body` (JSON) to base_url + path; returns once the answer's head is read.
+
+        `headers` are extra header lines, each ending in CRLF. Raises one of
+        UPSTREAM_ERRORS when no answer head arrives.
+        """
+        host, port, host_header = self._target(base_url)
+        head = b"".join(
+            (
+                b"POST ",
+                path.encode("ascii"),
+                b" HTTP/1.1\r\nHost: ",
+                host_header,
+                b"\r\nContent-Type: application/json\r\nContent-Length: ",
+                str(len(body)).encode(),
+                b"\r\n",
+                headers,
+                b"\r\n",
+            )
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.total_timeout_s
+        for _ in range(2):
+            conn = await self._acquire(host, port)
+            reply = UpstreamReply(self, (host, port), conn, loop, deadline)
+            try:
+                conn.writer.write(head + body)
+                await reply._read_head()
+            except UPSTREAM_ERRORS:
+                reply.close()
+                if conn.reused and not reply.head_started:
+                    continue  # an idle connection the engine had closed: once more, new
+                raise
+            return reply
+        raise UpstreamError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _target(self, base_url: str) -> tuple[str, int, bytes]:
+        found = self._targets.get(base_url)
+        if found is None:
+            parts = urlsplit(base_url)
+            if parts.scheme != "http" or not parts.hostname:
+                raise UpstreamError(f"engine URL {base_url!r} is not http://host[:port]")
+            port = parts.port or 80
+            found = (parts.hostname, port, parts.netloc.encode("idna"))
+            if len(self._targets) >= 4096:
+                self._targets.clear()
+            self._targets[base_url] = found
+        return found
+
+    async def _acquire(self, host: str, port: int) -> _Conn:
+        idle = self._idle.get((host, port))
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.usable(now, self.idle_timeout_s):
+                conn.reused = True
+                return conn
+            conn.close()
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port, limit=READ_LIMIT), self.connect_timeout_s
+        )
+        return _Conn(reader, writer)
+
+    def _release(self, key: tuple[str, int], conn: _Conn) -> None:
+        idle = self._idle.setdefault(key, deque())
+        if self._closed or len(idle) >= self.max_idle_per_host:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    async def close(self) -> None:
+        self._closed = True
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+
+class UpstreamReply:
+    """An engine's answer: status and headers read, the body read with `read`/`read_all`.
+
+    `release()` must be called once: the connection goes back to the pool when the
+    body was read to its end and both sides keep it alive, else it is closed.
+    """
+
+    __slots__ = (
+        "_pool",
+        "_key",
+        "_conn",
+        "_timer",
+        "_timed_out",
+        "_chunked",
+        "_remaining",
+        "_keep_alive",
+        "_done",
+        "head_started",
+        "status",
+        "headers",
+    )
+
+    def __init__(self, pool, key, conn: _Conn, loop, deadline: float) -> None:
+        self._pool = pool
+        self._key = key
+        self._conn = conn
+        self._timed_out = False
+        self._timer = loop.call_at(deadline, self._expire)
+        self._chunked = False
+        self._remaining = -1  # body bytes left; -1 = until EOF
+        self._keep_alive = False
+        self._done = False
+        self.head_started = False
+        self.status = 0
+        self.headers: dict[str, str] = {}
+
+    def _expire(self) -> None:
+        self._timed_out = True
+        self._conn.close()
+
+    def _failed(self, exc: BaseException) -> BaseException:
+        if self._timed_out:
+            return UpstreamError("the engine did not answer within the deadline")
+        return exc
+
+    async def _read_head(self) -> None:
+        reader = self._conn.reader
+        while True:
+            try:
+                raw = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                self.head_started = bool(exc.partial)
+                raise self._failed(exc) from None
+            except asyncio.LimitOverrunError:
+                self.head_started = True
+                raise UpstreamError("the engine's response head is too large") from None
+            self.head_started = True
+            if len(raw) > MAX_HEAD_BYTES:
+                raise UpstreamError("the engine's response head is too large")
+            first, _, raw = raw[:-4].partition(b"\r\n")
+            version, status = _status_line(first)
+            if not 100 <= status < 200:
+                break  # else an interim answer (100 Continue): the real one follows
+        headers = {}
+        for line in raw.decode("latin-1").split("\r\n"):
+            if line:
+                name, sep, value = line.partition(":")
+                if not sep:
+                    raise UpstreamError(f"malformed header line {line[:80]!r}")
+                headers[name.strip().lower()] = value.strip()
+        self.status = status
+        self.headers = headers
+        connection = headers.get("connection", "").lower()
+        if version == "HTTP/1.1":
+            self._keep_alive = "close" not in connection
+        else:
+            self._keep_alive = "keep-alive" in connection
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self._chunked = True
+        elif "content-length" in headers:
+            try:
+                self._remaining = int(headers["content-length"])
+            except ValueError:
+                raise UpstreamError("malformed Content-Length") from None
+            if self._remaining < 0:
+                raise UpstreamError("malformed Content-Length")
+        elif status in (204, 304):
+            self._remaining = 0
+        else:
+            self._keep_alive = False  # the body ends at EOF
+        if self._remaining == 0:
+            self._done = True
+
+    async def read(self) -> bytes:
+        """The next piece of the body as it arrives; b"" at its end."""
+        if self._done:
+            return b""
+        reader = self._conn.reader
+        try:
+            if self._chunked:
+                line = await reader.readuntil(b"\r\n")
+                try:
+                    size = int(line.split(b";", 1)[0], 16)
+                except ValueError:
+                    raise UpstreamError("malformed chunk size") from None
+                if size < 0:
+                    raise UpstreamError("malformed chunk size")
+                if size == 0:
+                    while await reader.readuntil(b"\r\n") != b"\r\n":
+                        pass  # trailers
+                    self._done = True
+                    return b""
+                data = await reader.readexactly(size + 2)
+                if data[-2:] != b"\r\n":
+                    raise UpstreamError("malformed chunk")
+                return data[:-2]
+            if self._remaining < 0:
+                data = await reader.read(65536)
+                if not data:
+                    self._done = True
+                return data
+            data = await reader.read(min(self._remaining, 65536))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", self._remaining)
+            self._remaining -= len(data)
+            if self._remaining == 0:
+                self._done = True
+            return data
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
+            raise self._failed(exc) from None
+
+    async def read_all(self) -> bytes:
+        """The whole body (the engine's non-streamed answers are small)."""
+        if not self._chunked and self._remaining > 0:
+            try:
+                data = await self._conn.reader.readexactly(self._remaining)
+            except (asyncio.IncompleteReadError, OSError) as exc:
+                raise self._failed(exc) from None
+            self._remaining = 0
+            self._done = True
+            return data
+        parts = []
+        while piece := await self.read():
+            parts.append(piece)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        if self._conn is None:
+            return
+        self._timer.cancel()
+        conn, self._conn = self._conn, None
+        if self._done and self._keep_alive and not self._timed_out:
+            self._pool._release(self._key, conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        """Drop the connection (the answer is not read to its end)."""
+        self._keep_alive = False
+        self.release()
+
+
+def _status_line(line: bytes) -> tuple[str, int]:
+    parts = line.decode("latin-1").rstrip("\r\n").split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or len(parts[1]) != 3:
+        raise UpstreamError(f"malformed status line {line[:80]!r}")
+    try:
+        return parts[0], int(parts[1])
+    except ValueError:
+        raise UpstreamError(f"malformed status line {line[:80]!r}") from None

@@ -1,0 +1,250 @@
+"""The gateway's fast path builds the same bytes and plans as the plain, slower way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quillcache.v1 import common_pb2, conductor_pb2
+from quillcache_core.engine_plan import EnginePlan, FetchAction
+from quillcache_core.hashing import block_hashes, identity_digest, request_blocks
+from quillcache_core.metrics import MetricsRegistry
+from quillcache_core.plan_wire import pack_hashes
+from quillcache_core.tokenize import BuiltinTokenizer
+from quillcache_gateway.conductor_calls import FinishQueue
+from quillcache_gateway.config import GatewayConfig
+from quillcache_gateway.server import Gateway, _Call, _Completion, upstream_body
+
+pytestmark = pytest.mark.unit
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+    max_leaves=8,
+)
+
+
+def gateway() -> Gateway:
+    return Gateway(GatewayConfig(conductor="127.0.0.1:1", cache_salts="acme=salty"))
+
+
+def plain_body(payload: dict, salt: str, plan: dict) -> dict:
+    """What the gateway used to send: the payload re-encoded with both fields set."""
+    body = dict(payload)
+    body["cache_salt"] = salt
+    params = body.get("kv_transfer_params")
+    body["kv_transfer_params"] = {
+        **(params if isinstance(params, dict) else {}),
+        "quillcache": plan,
+    }
+    return body
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    payload=st.dictionaries(st.text(max_size=12), json_values, max_size=6),
+    indent=st.sampled_from([None, 0, 2]),
+    trailing=st.sampled_from(["", " ", "\n", "\r\n\t "]),
+)
+def test_spliced_body_equals_the_reencoded_one(payload, indent, trailing):
+    ident = gateway()._identity("acme", "m", "builtin-v1")
+    plan = {"reservation_id": "r1", "fetch": [{"block_index": 3, "tier": "cpu_dram"}]}
+    raw = (json.dumps(payload, indent=indent, ensure_ascii=False) + trailing).encode()
+    sent = json.loads(upstream_body(raw, payload, ident, plan))
+    assert sent == plain_body(payload, "salty", plan)
+
+
+def test_the_client_cannot_choose_its_cache_salt_or_overwrite_the_plan():
+    ident = gateway()._identity("acme", "m", "builtin-v1")
+    payload = {
+        "model": "m",
+        "cache_salt": "globex",
+        "kv_transfer_params": {"quillcache": {"reservation_id": "forged"}, "other": 1},
+    }
+    raw = json.dumps(payload).encode()
+    sent = json.loads(upstream_body(raw, payload, ident, {"reservation_id": "r1"}))
+    assert sent["cache_salt"] == "salty"
+    assert sent["kv_transfer_params"] == {"quillcache": {"reservation_id": "r1"}, "other": 1}
+    assert sent["model"] == "m"
+
+
+def test_empty_and_unicode_bodies_splice():
+    ident = gateway()._identity("tenant-é", "m", "builtin-v1")
+    for raw, payload in ((b"{}", {}), (b' { "p" : "\xe5\xad\x97}" } ', {"p": "字}"})):
+        sent = json.loads(upstream_body(raw, payload, ident, {}))
+        assert sent == plain_body(payload, "tenant-é", {})
+
+
+def test_identity_and_hashes_match_request_blocks():
+    gw = gateway()
+    ident = gw._identity("acme", "sim-model", "builtin-v1")
+    assert ident.digest == identity_digest("sim-model", "builtin-v1", None, "acme", "salty")
+    assert gw._identity("acme", "sim-model", "builtin-v1") is ident  # computed once
+    tokens = BuiltinTokenizer().encode("a shared system prompt " * 20)
+    keys = request_blocks(
+        tokens,
+        16,
+        model_id="sim-model",
+        tokenizer_id="builtin-v1",
+        adapter_id=None,
+        tenant_id="acme",
+        cache_salt="salty",
+    )
+    hashes = block_hashes(tokens, 16, ident.digest)
+    assert hashes == [k.block_hash for k in keys]
+    assert ident.plan_identity.cache_salt == "salty"
+    assert ident.finish_identity == common_pb2.Identity(
+        model_id="sim-model", tokenizer_id="builtin-v1", tenant_id="acme"
+    )
+
+
+def test_plan_json_is_engine_plan_to_json_with_fetch_runs_expanded():
+    gw = gateway()
+    ident = gw._identity("acme", "sim-model", "builtin-v1")
+    hashes = [f"{i:032x}" for i in range(10)]
+    job = _Completion(b"{}", {}, "sim-model", BuiltinTokenizer(), list(range(170)), 8, False)
+    call = _Call("req", 0.0, 800, job, ident, hashes, pack_hashes(hashes))
+    A = conductor_pb2.BlockAction
+    plan = conductor_pb2.PlanResponse(
+        reservation_id="res-1",
+        engine_id="e1",
+        hit_blocks=2,
+        fetch_blocks=5,
+        recompute_blocks=3,
+        actions=[
+            A(kind=A.LOCAL_HIT, block_index=0, block_count=2),
+            A(
+                kind=A.FETCH,
+                block_index=2,
+                block_count=3,
+                source_node="s1",
+                source_address="h:1",
+                source_tier=common_pb2.TIER_CPU_DRAM,
+            ),
+            A(
+                kind=A.FETCH,
+                block_index=5,
+                source_node="s2",
+                source_address="h:2",
+                source_tier=common_pb2.TIER_LOCAL_SSD,
+            ),
+            A(
+                kind=A.FETCH,
+                block_index=6,
+                block_count=1,
+                source_node="s2",
+                source_address="h:2",
+                source_tier=common_pb2.TIER_LOCAL_SSD,
+            ),
+            A(kind=A.RECOMPUTE, block_index=7, block_count=3),
+        ],
+    )
+    expected = EnginePlan(
+        reservation_id="res-1",
+        engine_id="e1",
+        model_id="sim-model",
+        tokenizer_id="builtin-v1",
+        tenant_id="acme",
+        cache_salt="salty",
+        block_size=16,
+        hit_blocks=2,
+        recompute_blocks=3,
+        fetch=tuple(
+            FetchAction(i, hashes[i], node, addr, tier)
+            for i, node, addr, tier in (
+                (2, "s1", "h:1", "cpu_dram"),
+                (3, "s1", "h:1", "cpu_dram"),
+                (4, "s1", "h:1", "cpu_dram"),
+                (5, "s2", "h:2", "local_ssd"),
+                (6, "s2", "h:2", "local_ssd"),
+            )
+        ),
+    )
+    got = gw._plan_json(plan, call)
+    assert got == expected.to_json()
+    assert EnginePlan.from_json(json.loads(json.dumps(got))) == expected
+
+
+class FakeCalls:
+    def __init__(self, fail: bool = False) -> None:
+        self.sent: list[str] = []
+        self.fail = fail
+
+    async def finish(self, request, timeout_s):
+        await asyncio.sleep(0)
+        self.sent.append(request.reservation_id)
+        if self.fail:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down"
+            )
+        return conductor_pb2.FinishResponse(released=True)
+
+
+def finish(rid: str) -> conductor_pb2.FinishRequest:
+    return conductor_pb2.FinishRequest(reservation_id=rid, outcome=1)
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+def test_finish_queue_sends_in_the_background_and_drains_on_stop():
+    async def main():
+        calls = FakeCalls()
+        queue = FinishQueue(calls, 1.0, MetricsRegistry().counter("d", "d"))
+        queue.start()
+        queue.submit(finish("a"))
+        assert calls.sent == []  # nothing is sent on the submitter's turn
+        await until(lambda: calls.sent == ["a"])
+        for rid in "bcd":
+            queue.submit(finish(rid))
+        await queue.stop()
+        assert calls.sent == ["a", "b", "c", "d"]
+
+    asyncio.run(main())
+
+
+def test_finish_waits_while_a_request_is_held_but_not_past_max_hold():
+    async def main():
+        calls = FakeCalls()
+        queue = FinishQueue(calls, 1.0, MetricsRegistry().counter("d", "d"), max_hold_s=0.2)
+        queue.start()
+        queue.hold()
+        queue.submit(finish("a"))
+        await asyncio.sleep(0.05)
+        assert calls.sent == []
+        queue.unhold()
+        await until(lambda: calls.sent == ["a"])
+        queue.hold()
+        queue.submit(finish("b"))
+        await until(lambda: calls.sent == ["a", "b"], timeout_s=2.0)  # max_hold_s passed
+        queue.unhold()
+        await queue.stop()
+
+    asyncio.run(main())
+
+
+def test_finish_queue_is_bounded_and_survives_failed_calls():
+    async def main():
+        calls = FakeCalls(fail=True)
+        dropped = MetricsRegistry().counter("dropped", "d")
+        queue = FinishQueue(calls, 1.0, dropped, max_pending=2)
+        for rid in "abc":
+            queue.submit(finish(rid))
+        assert dropped.get() == 1
+        queue.start()
+        await until(lambda: calls.sent == ["a", "b"])
+        queue.submit(finish("d"))
+        await until(lambda: calls.sent == ["a", "b", "d"])
+        await queue.stop()
+
+    asyncio.run(main())

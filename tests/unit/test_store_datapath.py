@@ -1,0 +1,119 @@
+"""The block data path's pure parts and its landing in the tiers: framing, and
+`TieredStore.put_filled` writing straight into a pooled DRAM buffer, all or nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from quillcache_core.errors import Corrupt, InvalidArgument
+from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_store import dataproto
+from quillcache_store.blockcodec import payload_checksum
+from quillcache_store.dram import DramTier
+from quillcache_store.ssd import SsdTier
+from quillcache_store.tiers import TieredStore
+
+pytestmark = pytest.mark.unit
+
+MIB = 1024 * 1024
+
+
+def key(i: int, tenant: str = "acme") -> KvBlockKey:
+    return KvBlockKey("m", "t", None, tenant, "root", f"b{i:04d}", i, 16)
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = TieredStore(DramTier(8 * MIB), SsdTier(tmp_path / "ssd", 64 * MIB))
+    yield s
+    s.close()
+
+
+def test_request_round_trip_and_malformed_requests():
+    keys = [key(i) for i in range(3)] + [key(9, tenant="globex")]
+    frame = dataproto.encode_request(keys)
+    size = dataproto.REQUEST_HEADER.size
+    body_len = dataproto.decode_request_header(frame[:size])
+    assert dataproto.decode_request_body(frame[size : size + body_len]) == keys
+    with pytest.raises(InvalidArgument):
+        dataproto.decode_request_header(b"XXXX" + frame[4:size])
+    with pytest.raises(InvalidArgument):
+        dataproto.decode_request_body(b"\xc1")
+    with pytest.raises(InvalidArgument):
+        dataproto.encode_request([])
+
+
+def test_block_headers_round_trip_and_refuse_nonsense():
+    raw = dataproto.encode_block_header(CacheTier.LOCAL_SSD, 4096, 0xABC)
+    header = dataproto.decode_block_header(raw, max_payload_bytes=MIB)
+    assert (header.status, header.tier, header.payload_len, header.checksum) == (
+        dataproto.STATUS_OK,
+        CacheTier.LOCAL_SSD,
+        4096,
+        0xABC,
+    )
+    with pytest.raises(InvalidArgument):
+        dataproto.decode_block_header(raw, max_payload_bytes=1024)  # too large
+    error = dataproto.encode_block_error(dataproto.STATUS_NOT_FOUND, "gone")
+    header = dataproto.decode_block_header(error[: dataproto.BLOCK_HEADER.size], MIB)
+    assert header.status == dataproto.STATUS_NOT_FOUND and header.message_len == 4
+    assert dataproto.CODE_NAMES[header.status] == "NOT_FOUND"
+
+
+def _filler(data: bytes, checksum: int | None = None):
+    def fill(view: memoryview) -> None:
+        view[:] = data
+        if payload_checksum(view) != (checksum if checksum is not None else payload_checksum(data)):
+            raise Corrupt("checksum mismatch")
+
+    return fill
+
+
+def test_put_filled_lands_in_a_reused_pool_buffer(store):
+    data = bytes(range(256)) * 4096  # 1 MiB
+    assert store.put(key(0), data) is CacheTier.CPU_DRAM
+    store.delete(key(0))  # its buffer goes to the free list
+    reuses = store.dram.stats()["buffer_reuses"]
+    landed = store.put_filled(key(1), len(data), payload_checksum(data), _filler(data))
+    assert landed is CacheTier.CPU_DRAM
+    assert store.dram.stats()["buffer_reuses"] == reuses + 1
+    assert store.get(key(1)) == (data, CacheTier.CPU_DRAM)
+
+
+def test_a_failed_fill_stores_nothing_and_keeps_the_older_copy(store):
+    old, new = b"o" * MIB, b"n" * MIB
+    store.put(key(0), old)
+    pool = store.dram.stats()["pool_bytes"]
+    for failing in (_filler(new, checksum=1), _raise(ConnectionError("source died"))):
+        with pytest.raises((Corrupt, ConnectionError)):
+            store.put_filled(key(0), len(new), payload_checksum(new), failing)
+        with pytest.raises((Corrupt, ConnectionError)):
+            store.put_filled(key(1), len(new), payload_checksum(new), failing)
+    assert store.get(key(0)) == (old, CacheTier.CPU_DRAM)
+    assert not store.exists(key(1))
+    stats = store.dram.stats()
+    assert stats["reserved_bytes"] == 0 and stats["pool_bytes"] <= max(pool + MIB, 8 * MIB)
+    # The buffer of the failed block went back to the pool: the next block reuses it.
+    reuses = stats["buffer_reuses"]
+    store.put_filled(key(2), len(new), payload_checksum(new), _filler(new))
+    assert store.dram.stats()["buffer_reuses"] == reuses + 1
+
+
+def test_durable_and_ssd_fills_go_through_a_scratch_buffer(store):
+    data = b"s" * (MIB // 2)
+    digest = payload_checksum(data)
+    assert store.put_filled(key(0), len(data), digest, _filler(data), durable=True) in (
+        CacheTier.CPU_DRAM,
+        CacheTier.LOCAL_SSD,
+    )
+    assert store.ssd.info(key(0)) == (len(data), digest)
+    landed = store.put_filled(key(1), len(data), digest, _filler(data), tier=CacheTier.LOCAL_SSD)
+    assert landed is CacheTier.LOCAL_SSD and store.get(key(1))[0] == data
+
+
+def _raise(exc: BaseException):
+    def fill(view: memoryview) -> None:
+        view[: view.nbytes // 2] = b"x" * (view.nbytes // 2)
+        raise exc
+
+    return fill
