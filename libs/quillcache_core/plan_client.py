@@ -31,6 +31,11 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+
 class PlanClient:
     """Multiplexes Plan and Finish calls from many tasks over one PlanStream."""
 
@@ -88,15 +93,18 @@ class PlanClient:
         if self._call is None:
             self._open()
         call.call_id = call_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._pending[call_id] = future
         self._outbox.append(call)
         self._wake.set()
+        # One timer per call (cheaper than wait_for's wrapper future and callbacks).
+        timer = None if timeout is None else loop.call_later(timeout, _expire, future)
         try:
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            return await future
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(call_id, None)
 
     def _open(self) -> None:

@@ -242,3 +242,70 @@ def test_a_dead_conductor_fails_calls_with_unavailable_instead_of_hanging(conduc
 
     code = asyncio.run(go())
     assert code == grpc.StatusCode.UNAVAILABLE
+
+
+def _serve(handlers: dict):
+    """An in-process gRPC server speaking only the given Conductor methods."""
+
+    async def start():
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("quillcache.v1.Conductor", handlers),)
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, f"127.0.0.1:{port}"
+
+    return start()
+
+
+def test_a_silent_conductor_times_calls_out_and_an_old_one_is_called_unary():
+    async def silent_stream(request_iterator, context):
+        async for _ in request_iterator:
+            pass  # reads every call, answers none
+        yield conductor_pb2.PlanStreamResponse()
+
+    async def unary_plan(request, context):
+        return conductor_pb2.PlanResponse(engine_id="old-conductor")
+
+    async def go():
+        server, address = await _serve(
+            {
+                "PlanStream": grpc.stream_stream_rpc_method_handler(
+                    silent_stream,
+                    request_deserializer=conductor_pb2.PlanStreamRequest.FromString,
+                    response_serializer=conductor_pb2.PlanStreamResponse.SerializeToString,
+                )
+            }
+        )
+        old, old_address = await _serve(
+            {
+                "Plan": grpc.unary_unary_rpc_method_handler(
+                    unary_plan,
+                    request_deserializer=conductor_pb2.PlanRequest.FromString,
+                    response_serializer=conductor_pb2.PlanResponse.SerializeToString,
+                )
+            }
+        )
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                client = PlanClient(channel)
+                started = asyncio.get_running_loop().time()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.plan(packed_request(list(range(BS))), timeout=0.3)
+                waited = asyncio.get_running_loop().time() - started
+                await client.close()
+            async with grpc.aio.insecure_channel(old_address) as channel:
+                client = PlanClient(channel)
+                first = await client.plan(packed_request(list(range(BS))), timeout=5)
+                second = await client.plan(packed_request(list(range(BS))), timeout=5)
+                await client.close()
+        finally:
+            await server.stop(0)
+            await old.stop(0)
+        return err.value.code(), waited, first, second
+
+    code, waited, first, second = asyncio.run(go())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0.25 <= waited < 2.0
+    assert first.engine_id == second.engine_id == "old-conductor"
