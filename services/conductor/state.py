@@ -241,9 +241,22 @@ class ConductorState:
         info = self.engines.get(engine_id)
         if info is None:
             raise NotFound(f"unknown engine {engine_id!r}")
-        self.index.put_many(
-            CacheResidency(key, engine_id, CacheTier.HBM, self.default_block_bytes) for key in keys
-        )
+        # Most of a served prefix is usually recorded already (by an earlier request or
+        # the engine's own events): a lookup is a tenth of a put, so only new blocks
+        # are written.
+        hbm = CacheTier.HBM
+        nbytes = self.default_block_bytes
+        new = []
+        for key, found in zip(
+            keys, self.index.locate_hashes([k.block_hash for k in keys]), strict=True
+        ):
+            for record in found:
+                if record.worker_id == engine_id and record.tier is hbm and record.key == key:
+                    break
+            else:
+                new.append(CacheResidency(key, engine_id, hbm, nbytes))
+        if new:
+            self.index.put_many(new)
         info.state.resident_blocks = self.index.worker_block_count(engine_id)
         self.counters.observed_blocks += len(keys)
         return len(keys)
