@@ -81,6 +81,42 @@ def block_hashes(
     return out
 
 
+def packed_block_hashes(
+    packed: bytes,
+    block_size: int,
+    identity: bytes,
+    parent: str | None = None,
+    *,
+    first_token: int = 0,
+    count: int | None = None,
+) -> list[str]:
+    """block_hashes for token ids already packed as little-endian u32 (4 bytes a token).
+
+    Hashes `count` full blocks (default: every full block) starting at token
+    `first_token` of `packed`, so a caller that packed a whole batch of events once
+    (`np.asarray(tokens, dtype="<u4").tobytes()`, or an `array("I")` on a
+    little-endian host) hashes each run of blocks in place, without copying it
+    out. Equal to `block_hashes(tokens, ...)` for the same tokens. The buffer is
+    not validated: every 4 bytes are one token id.
+    """
+    if block_size <= 0:
+        raise InvalidArgument(f"block_size must be positive, got {block_size}")
+    step = block_size * 4
+    start = first_token * 4
+    available = max(0, len(packed) - start) // step
+    full = available if count is None else min(count, available)
+    prev = bytes.fromhex(parent) if parent else _ZERO
+    digests: list[bytes] = []
+    append = digests.append
+    for offset in range(start, start + full * step, step):
+        h = blake2b(prev, digest_size=16)
+        h.update(identity)
+        h.update(packed[offset : offset + step])
+        prev = h.digest()
+        append(prev)
+    return list(map(bytes.hex, digests))
+
+
 def request_blocks(
     tokens: Sequence[int],
     block_size: int,

@@ -16,6 +16,7 @@ import logging
 from quillcache.v1 import conductor_pb2
 from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_conductor.kv_wire import (
+    BulkBatch,
     DecodedBatch,
     EngineAllCleared,
     EngineBlockRemoved,
@@ -130,7 +131,7 @@ class EventRouter:
 
     # --- ZMQ callbacks -------------------------------------------------------------------
 
-    def _on_zmq_batch(self, engine_id: str, seq: int, batch: DecodedBatch) -> None:
+    def _on_zmq_batch(self, engine_id: str, seq: int, batch: BulkBatch) -> None:
         self.batches.inc(via="zmq")
         if engine_id not in self.state.engines:
             return  # left meanwhile
@@ -138,7 +139,7 @@ class EventRouter:
             translator = self.translator(engine_id)
         except InvalidArgument as exc:
             self._reject(
-                engine_id, EventError(-1, "no_identity", str(exc)), seq, count=len(batch.events)
+                engine_id, EventError(-1, "no_identity", str(exc)), seq, count=batch.event_count
             )
             return
         result = translator.apply(batch)

@@ -17,21 +17,37 @@ still holds. Entries leave with their blocks (BlockRemoved, AllBlocksCleared), a
 map is capped (`max_tracked`); blocks past the cap are counted and not indexed, since
 a record we could not map back could never be removed.
 
+Batches are applied as runs: consecutive BlockStored events that continue one chain
+(each one's parent is the previous one's last block, same block size, medium and
+group, as vLLM reports a growing sequence) are hashed in one call over the batch's
+packed token ids, added to the map with one dict update and put in the index with one
+`put_chain` (which builds the keys and records in C-level passes). Whenever a run's blocks are not all new to the map and
+under the cap, its events are applied one by one instead, with exactly the same
+result.
+
 One translator per engine. Not thread-safe: the owner serialises calls.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import itemgetter
+from typing import Any
 
 from quillcache_conductor.kv_wire import (
+    OP_CLEARED,
+    OP_REMOVED,
+    OP_STORED,
+    BulkBatch,
     DecodedBatch,
-    EngineAllCleared,
-    EngineBlockRemoved,
-    EngineBlockStored,
+    EngineKey,
     EventError,
+    bulk_from_events,
+    engine_hash,
+    engine_key,
 )
-from quillcache_core.hashing import block_hashes, identity_digest
+from quillcache_core.hashing import ROOT_PARENT, identity_digest, packed_block_hashes
 from quillcache_core.index.base import IndexBackend
 from quillcache_core.model import MIB, CacheResidency, CacheTier, KvBlockKey
 
@@ -70,17 +86,23 @@ class TranslatorStats:
 _Identity = tuple[str | None, str, str | None, bytes]
 # (tier value, group_idx): one engine copy of a block.
 _Holder = tuple[str, int | None]
+# What we know about one engine block: our key's (block_hash, prefix_hash, block_index,
+# token_count), its identity and the engine copies. A plain tuple of strings, ints and
+# shared tuples of those, built in bulk for a run: CPython stops tracking such a tuple
+# in its cyclic GC after one collection, which matters with millions of entries (the
+# index's own KvBlockKey and CacheResidency stay tracked). A change of holders
+# replaces the entry.
+_Entry = tuple[str, str, int, int, _Identity, tuple[_Holder, ...]]
+_HASH, _PREFIX, _INDEX, _SIZE, _IDENT, _HOLDERS = range(6)
 
-
-class _Entry:
-    """What we know about one engine block: our key, its identity, who holds it."""
-
-    __slots__ = ("holders", "ident", "key")
-
-    def __init__(self, key: KvBlockKey, ident: _Identity) -> None:
-        self.key = key
-        self.ident = ident
-        self.holders: list[_Holder] = []
+_new = tuple.__new__
+# A stored op (kv_wire's layout) -> its kind, keys, parent, (block_size, tier, group_idx).
+_kind_of = itemgetter(0)
+_keys_of = itemgetter(2)
+_parent_of = itemgetter(3)
+_shape_of = itemgetter(4, 5, 6)
+_last = itemgetter(-1)
+_StoredOp = tuple[Any, ...]
 
 
 class EngineEventTranslator:
@@ -103,11 +125,11 @@ class EngineEventTranslator:
         self.bytes_per_block = bytes_per_block
         self.max_tracked = max_tracked
         self.stats = TranslatorStats()
-        self._blocks: dict[str, _Entry] = {}
-        # (our block hash, tier value) -> engine copies mapped to it. Two engine blocks
-        # can map to one of ours (e.g. the same placeholder tokens with different
-        # images); the index record goes only when the last of them does.
-        self._refs: dict[tuple[str, str], int] = {}
+        self._blocks: dict[EngineKey, _Entry] = {}
+        # tier value -> our block hash -> engine copies mapped to it on that tier. Two
+        # engine blocks can map to one of ours (e.g. the same placeholder tokens with
+        # different images); the index record goes only when the last of them does.
+        self._refs: dict[str, dict[str, int]] = {}
         self._identities: dict[tuple[str | None, str | None], _Identity] = {}
 
     def __len__(self) -> int:
@@ -116,8 +138,20 @@ class EngineEventTranslator:
 
     def key_for(self, engine_hash: str) -> KvBlockKey | None:
         """Our key for a (normalized) engine hash the engine still holds."""
-        entry = self._blocks.get(engine_hash)
-        return None if entry is None else entry.key
+        entry = self._blocks.get(engine_key(engine_hash))
+        if entry is None:
+            return None
+        ident = entry[_IDENT]
+        return KvBlockKey(
+            self.model_id,
+            self.tokenizer_id,
+            ident[0],
+            ident[1],
+            entry[_PREFIX],
+            entry[_HASH],
+            entry[_INDEX],
+            entry[_SIZE],
+        )
 
     def identity(self, lora_name: str | None, cache_salt: str | None) -> _Identity:
         """The identity of a root block with this LoRA and salt (cached)."""
@@ -134,25 +168,35 @@ class EngineEventTranslator:
 
     # --- applying ----------------------------------------------------------------------
 
-    def apply(self, batch: DecodedBatch) -> ApplyResult:
-        """Apply a decoded batch in order; a rejected event never stops the others."""
+    def apply(self, batch: DecodedBatch | BulkBatch) -> ApplyResult:
+        """Apply a decoded batch in order; a rejected event never stops the others.
+
+        Takes decode_bulk's BulkBatch (the fast path) or a DecodedBatch of event
+        objects; both apply the same way.
+        """
+        if type(batch) is not BulkBatch:
+            batch = bulk_from_events(batch)
         result = ApplyResult(applied=0, rejected=list(batch.errors))
         stamp = int(batch.ts * 1000) if batch.ts is not None and batch.ts > 0 else 0
-        positions = batch.positions
-        for position, event in enumerate(batch.events):
-            if type(event) is EngineBlockStored:
-                error = self._stored(event, stamp)
-                if error is not None:
-                    wire_index = positions[position] if position < len(positions) else position
-                    result.rejected.append(EventError(wire_index, error[0], error[1]))
-                    continue
-            elif type(event) is EngineBlockRemoved:
-                self._removed(event)
-            elif type(event) is EngineAllCleared:
+        ops, tokens = batch.ops, batch.tokens
+        position, end = 0, len(ops)
+        if end > 1 and _one_chain(ops):
+            # The whole batch continues one sequence (vLLM reporting a growing request):
+            # no per-event run detection.
+            position = self._stored_from(ops, 0, tokens, stamp, result, end)
+        while position < end:
+            op = ops[position]
+            kind = op[0]
+            if kind == OP_STORED:
+                position = self._stored_from(ops, position, tokens, stamp, result)
+                continue
+            position += 1
+            if kind == OP_REMOVED:
+                self._removed(op)
+            elif kind == OP_CLEARED:
                 self.reset()
             else:
-                wire_index = positions[position] if position < len(positions) else position
-                result.rejected.append(EventError(wire_index, "bad_type", type(event).__name__))
+                result.rejected.append(EventError(op[1], "bad_type", op[2]))
                 continue
             result.applied += 1
         self.stats.events_applied += result.applied
@@ -166,88 +210,228 @@ class EngineEventTranslator:
         self._refs.clear()
         return self.index.clear_worker(self.engine_id)
 
-    def _stored(self, event: EngineBlockStored, stamp: int) -> tuple[str, str] | None:
-        blocks = self._blocks
-        if event.parent is None:
-            ident = self.identity(event.lora_name, event.cache_salt)
-            parent_hash = None
-            first_index = 0
+    def _resolve(self, op: _StoredOp) -> tuple[_Identity, str | None, int] | None:
+        """(identity, our parent hash, first block index) of a stored event, None if its
+        parent is unknown."""
+        if op[3] is None:
+            return self.identity(op[7], op[8]), None, 0
+        parent = self._blocks.get(op[3])
+        if parent is None:
+            return None
+        return parent[_IDENT], parent[_HASH], parent[_INDEX] + 1
+
+    def _unknown_parent(self, op: _StoredOp, result: ApplyResult) -> None:
+        self.stats.unknown_parent += 1
+        detail = f"parent {engine_hash(op[3])} is not a block we know"
+        result.rejected.append(EventError(op[1], "unknown_parent", detail))
+
+    def _stored_from(
+        self,
+        ops: list[Any],
+        first: int,
+        tokens: bytes,
+        stamp: int,
+        result: ApplyResult,
+        stop: int = 0,
+    ) -> int:
+        """Apply the run of stored events starting at ops[first] (up to `stop` if the
+        caller knows where it ends); returns the next position."""
+        op = ops[first]
+        resolved = self._resolve(op)
+        if resolved is None:
+            self._unknown_parent(op, result)
+            return first + 1
+        if stop:
+            engine_keys = list(chain.from_iterable(map(_keys_of, ops[first:stop])))
         else:
-            parent = blocks.get(event.parent)
-            if parent is None:
-                self.stats.unknown_parent += 1
-                return ("unknown_parent", f"parent {event.parent} is not a block we know")
-            ident = parent.ident
-            parent_hash = parent.key.block_hash
-            first_index = parent.key.block_index + 1
-        ours = block_hashes(event.token_ids, event.block_size, ident[3], parent_hash)
+            stop = first + 1
+            shape = _shape_of(op)
+            engine_keys = op[2]
+            last = engine_keys[-1]
+            # Consecutive stored ops' token ids are consecutive, so only the chain and
+            # the shape decide.
+            for nxt in ops[first + 1 :]:
+                if nxt[0] != OP_STORED or nxt[3] != last or _shape_of(nxt) != shape:
+                    break
+                if stop == first + 1:
+                    engine_keys = list(engine_keys)
+                engine_keys += nxt[2]
+                last = engine_keys[-1]
+                stop += 1
+        if self._store_run(engine_keys, op, resolved, tokens, stamp):
+            result.applied += stop - first
+            return stop
+        for position in range(first, stop):
+            self._stored_one(ops[position], tokens, stamp, result)
+        return stop
+
+    def _store_run(
+        self,
+        engine_keys: list[EngineKey],
+        op: _StoredOp,
+        resolved: tuple[_Identity, str | None, int],
+        tokens: bytes,
+        stamp: int,
+    ) -> bool:
+        """Map and index a run of blocks in bulk if they are all new and fit under the
+        cap (then it is what applying its events one by one would do); else change
+        nothing and return False."""
+        blocks = self._blocks
+        count = len(engine_keys)
+        if len(blocks) + count > self.max_tracked:
+            return False
+        ident, parent_hash, first_index = resolved
+        size, tier = op[4], op[5]
+        ours = packed_block_hashes(
+            tokens, size, ident[3], parent_hash, first_token=op[9], count=count
+        )
+        if len(ours) != count:
+            return False  # too few token ids: the per-event path raises the error
+        tier_value = tier._value_
+        refs = self._refs.get(tier_value)
+        if refs is None:
+            refs = self._refs[tier_value] = {}
+        prefixes = [parent_hash if parent_hash is not None else ROOT_PARENT]
+        prefixes += ours[:-1]
+        holders = ((tier_value, op[6]),)
+        entries = zip(
+            ours,
+            prefixes,
+            range(first_index, first_index + count),
+            repeat(size),
+            repeat(ident),
+            repeat(holders),
+        )
+        fresh = dict(zip(engine_keys, entries, strict=True))
+        # A chain's own hashes never repeat (each folds in its parent), so new engine
+        # keys and our hashes unseen on this tier make every block a plain insert.
+        if len(fresh) != count or not blocks.keys().isdisjoint(fresh):
+            return False
+        if not refs.keys().isdisjoint(ours):
+            return False
+        blocks.update(fresh)
+        refs.update(dict.fromkeys(ours, 1))
+        scope = (self.model_id, self.tokenizer_id, ident[0], ident[1])
+        self._put_chain(scope, prefixes[0], ours, first_index, size, tier, stamp)
+        self.stats.blocks_stored += count
+        return True
+
+    def _put_chain(
+        self,
+        scope: tuple[str, str, str | None, str],
+        parent: str,
+        ours: list[str],
+        first_index: int,
+        size: int,
+        tier: CacheTier,
+        stamp: int,
+    ) -> None:
+        engine_id, nbytes = self.engine_id, self.bytes_per_block
+        put_chain = getattr(self.index, "put_chain", None)
+        if put_chain is not None:
+            put_chain(scope, parent, ours, first_index, size, engine_id, tier, nbytes, stamp)
+            return
+        records = []
+        for offset, our_hash in enumerate(ours):
+            key = KvBlockKey(*scope, parent, our_hash, first_index + offset, size)
+            records.append(CacheResidency(key, engine_id, tier, nbytes, stamp))
+            parent = our_hash
+        self.index.put_many(records)
+
+    def _stored_one(self, op: _StoredOp, tokens: bytes, stamp: int, result: ApplyResult) -> None:
+        """Apply one stored event block by block (the general path)."""
+        resolved = self._resolve(op)
+        if resolved is None:
+            self._unknown_parent(op, result)
+            return
+        ident, parent_hash, first_index = resolved
+        engine_keys, size, tier = op[2], op[4], op[5]
+        ours = packed_block_hashes(
+            tokens, size, ident[3], parent_hash, first_token=op[9], count=len(engine_keys)
+        )
+        blocks = self._blocks
         adapter, tenant = ident[0], ident[1]
         model_id, tokenizer_id = self.model_id, self.tokenizer_id
-        tier = event.tier
-        holder = (tier._value_, event.group_idx)
+        holder = (tier._value_, op[6])
+        holders = (holder,)
+        refs = self._refs.get(holder[0])
+        if refs is None:
+            refs = self._refs[holder[0]] = {}
         engine_id, nbytes = self.engine_id, self.bytes_per_block
-        refs = self._refs
-        prefix = parent_hash if parent_hash is not None else "root"
+        prefix = parent_hash if parent_hash is not None else ROOT_PARENT
         residencies = []
-        for offset, (engine_hash, our_hash) in enumerate(
-            zip(event.block_hashes, ours, strict=True)
-        ):
-            key = KvBlockKey(
-                model_id,
-                tokenizer_id,
-                adapter,
-                tenant,
-                prefix,
-                our_hash,
-                first_index + offset,
-                event.block_size,
+        for offset, (key_of_engine, our_hash) in enumerate(zip(engine_keys, ours, strict=True)):
+            block_index = first_index + offset
+            key = _new(
+                KvBlockKey,
+                (model_id, tokenizer_id, adapter, tenant, prefix, our_hash, block_index, size),
             )
+            mine = (our_hash, prefix, block_index, size, ident, holders)
             prefix = our_hash
-            entry = blocks.get(engine_hash)
+            entry = blocks.get(key_of_engine)
             if entry is None:
                 if len(blocks) >= self.max_tracked:
                     self.stats.overflow += 1
                     continue
-                entry = blocks[engine_hash] = _Entry(key, ident)
-            elif entry.key != key:
+                blocks[key_of_engine] = mine
+            elif entry[:4] != mine[:4] or entry[_IDENT][:2] != ident[:2]:
                 # The engine reused a hash for other content: forget the old mapping.
-                self._drop_entry(engine_hash, entry)
-                entry = blocks[engine_hash] = _Entry(key, ident)
-            if holder not in entry.holders:
-                entry.holders.append(holder)
-                slot = (our_hash, holder[0])
-                refs[slot] = refs.get(slot, 0) + 1
+                self._drop_entry(key_of_engine, entry)
+                blocks[key_of_engine] = mine
+            elif holder not in entry[_HOLDERS]:
+                blocks[key_of_engine] = (*entry[:_HOLDERS], (*entry[_HOLDERS], holder))
+            else:
+                residencies.append(CacheResidency(key, engine_id, tier, nbytes, stamp))
+                continue
+            refs[our_hash] = refs.get(our_hash, 0) + 1
             residencies.append(CacheResidency(key, engine_id, tier, nbytes, stamp))
         self.index.put_many(residencies)
         self.stats.blocks_stored += len(residencies)
-        return None
+        result.applied += 1
 
-    def _removed(self, event: EngineBlockRemoved) -> None:
+    def _removed(self, op: tuple[Any, ...]) -> None:
         blocks = self._blocks
-        holder = (event.tier._value_, event.group_idx)
-        for engine_hash in event.block_hashes:
-            entry = blocks.get(engine_hash)
-            if entry is None or holder not in entry.holders:
+        holder = (op[3]._value_, op[4])
+        for key_of_engine in op[2]:
+            entry = blocks.get(key_of_engine)
+            if entry is None or holder not in entry[_HOLDERS]:
                 self.stats.unknown_removed += 1
                 continue
-            entry.holders.remove(holder)
-            self._release(entry.key.block_hash, holder[0])
+            holders = entry[_HOLDERS]
+            if len(holders) == 1:
+                del blocks[key_of_engine]
+            else:
+                at = holders.index(holder)
+                blocks[key_of_engine] = (*entry[:_HOLDERS], holders[:at] + holders[at + 1 :])
+            self._release(entry[_HASH], holder[0])
             self.stats.blocks_removed += 1
-            if not entry.holders:
-                del blocks[engine_hash]
 
     def _release(self, our_hash: str, tier: str) -> None:
         """One engine copy of our block on `tier` is gone; drop the record with the last."""
-        slot = (our_hash, tier)
-        count = self._refs.get(slot, 0) - 1
+        refs = self._refs.get(tier)
+        count = (0 if refs is None else refs.get(our_hash, 0)) - 1
         if count > 0:
-            self._refs[slot] = count
+            refs[our_hash] = count
             return
-        self._refs.pop(slot, None)
+        if refs is not None:
+            refs.pop(our_hash, None)
         self.index.remove_tier(self.engine_id, our_hash, CacheTier(tier))
 
-    def _drop_entry(self, engine_hash: str, entry: _Entry) -> None:
-        for tier, _group in entry.holders:
-            self._release(entry.key.block_hash, tier)
-        entry.holders.clear()
-        del self._blocks[engine_hash]
+    def _drop_entry(self, key_of_engine: EngineKey, entry: _Entry) -> None:
+        for tier, _group in entry[_HOLDERS]:
+            self._release(entry[_HASH], tier)
+        del self._blocks[key_of_engine]
+
+
+def _one_chain(ops: list[Any]) -> bool:
+    """Whether every op is a stored event continuing the previous one's chain with its
+    block size, tier and group (checked a column at a time, in C)."""
+    count = len(ops)
+    if list(map(_kind_of, ops)).count(OP_STORED) != count:
+        return False
+    parents = list(map(_parent_of, ops))
+    lasts = list(map(_last, map(_keys_of, ops)))
+    if parents[1:] != lasts[:-1]:
+        return False
+    shapes = list(map(_shape_of, ops))
+    return shapes.count(shapes[0]) == count

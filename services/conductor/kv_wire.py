@@ -16,29 +16,54 @@ Only a payload that is not msgpack, or not a batch at all, raises WireError. Any
 wrong inside one event becomes an EventError for that event; the batch's other events
 still decode. Batch-level oddities (a non-numeric `ts`, a non-integer rank) are
 reported as EventErrors with index -1 and the field set to None.
+
+`decode_bulk(payload)` is the conductor's hot path: the same events, errors and
+positions, as a `BulkBatch` of compact ops instead of one object per event. Engine
+hashes stay machine values (`EngineKey`: the u64 as an int, bytes as bytes), every
+stored event's token ids are packed once per batch into one little-endian u32
+buffer, and the type and range checks run once per batch in C (`set(map(type, ..))`,
+`min`, `max`, `array("I", ..)`). Any event that is not in the common valid shape, and
+any batch whose bulk checks fail, goes through the per-event decoder above, so both
+functions accept and reject exactly the same things (a property test holds them
+equal).
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass, field
+from itertools import accumulate, chain, repeat
+from operator import itemgetter, mul
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CacheTier
 from quillcache_core.vllm_events import REMOVED_FIELDS, STORED_FIELDS
 
 __all__ = [
+    "OP_CLEARED",
+    "OP_INVALID",
+    "OP_REMOVED",
+    "OP_STORED",
+    "BulkBatch",
     "DecodedBatch",
+    "EngineKey",
     "EngineAllCleared",
     "EngineBlockRemoved",
     "EngineBlockStored",
     "EngineEvent",
     "EventError",
     "WireError",
+    "bulk_from_events",
     "decode_batch",
+    "decode_bulk",
     "decode_events",
+    "engine_hash",
+    "engine_key",
     "normalize_hash",
 ]
 
@@ -177,7 +202,9 @@ def _tokens(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-_TIER_CACHE: dict[str, CacheTier] = {}
+_TIER_CACHE: dict[str | None, CacheTier] = {None: CacheTier.HBM}
+for _medium in ("GPU", "CPU", "CPU_PINNED", "DISK", "EXTERNAL"):
+    _TIER_CACHE[_medium] = CacheTier.parse(_medium)
 
 
 def _tier(value: Any) -> CacheTier:
@@ -343,8 +370,8 @@ def decode_events(raw_events: list[Any], out: DecodedBatch) -> None:
             errors.append(EventError(index, "bad_event", f"{type(exc).__name__}: {exc}"))
 
 
-def decode_batch(payload: bytes) -> DecodedBatch:
-    """Decode one msgpack payload; raises WireError only if it is not a batch at all."""
+def _unpack(payload: bytes) -> tuple[Any, list[Any], Any]:
+    """(ts, raw events, rank) of a batch payload, unchecked but the events array."""
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:
@@ -366,14 +393,457 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         raise WireError("not_a_batch", f"payload is a {kind.__name__}, not an array or map")
     if type(raw_events) is not list:
         raise WireError("not_a_batch", f"events is not an array: {_short(raw_events)}")
-    out = DecodedBatch(ts=None, dp_rank=None)
+    return ts, raw_events, rank
+
+
+def _batch_fields(ts: Any, rank: Any, errors: list[EventError]) -> tuple[float | None, int | None]:
+    """The batch's ts and rank, each None (and reported in `errors`) if malformed."""
+    out_ts = out_rank = None
     if type(ts) in (float, int):
-        out.ts = float(ts)
+        out_ts = float(ts)
     elif ts is not None:
-        out.errors.append(EventError(-1, "bad_ts", f"ts is not a number: {_short(ts)}"))
+        errors.append(EventError(-1, "bad_ts", f"ts is not a number: {_short(ts)}"))
     if type(rank) is int:
-        out.dp_rank = rank
+        out_rank = rank
     elif rank is not None:
-        out.errors.append(EventError(-1, "bad_dp_rank", f"rank is not an int: {_short(rank)}"))
+        errors.append(EventError(-1, "bad_dp_rank", f"rank is not an int: {_short(rank)}"))
+    return out_ts, out_rank
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode one msgpack payload; raises WireError only if it is not a batch at all."""
+    ts, raw_events, rank = _unpack(payload)
+    out = DecodedBatch(ts=None, dp_rank=None)
+    out.ts, out.dp_rank = _batch_fields(ts, rank, out.errors)
     decode_events(raw_events, out)
     return out
+
+
+# --- bulk decoding: the conductor's hot path ---------------------------------------------
+
+# An engine hash as a dict key: a u64 hash as its unsigned int, a bytes hash as the bytes,
+# an opaque string (gRPC events, "s:...") as itself. The three never compare equal.
+EngineKey = int | bytes | str
+
+# A BulkBatch's ops are plain tuples (built in bulk, C-level), first the kind, then the
+# event's position in the payload:
+#   (OP_STORED, index, keys, parent, block_size, tier, group_idx, lora_name, cache_salt,
+#    token_start)  - `keys` a list of EngineKey, `parent` an EngineKey or None; the
+#                    event's token ids are the block_size * len(keys) ids of the batch's
+#                    packed buffer from id `token_start` on
+#   (OP_REMOVED, index, keys, tier, group_idx)
+#   (OP_CLEARED, index)
+#   (OP_INVALID, index, detail)   - bulk_from_events only: an object that is no event
+# Consecutive stored ops' token ids are consecutive in the buffer.
+OP_STORED, OP_REMOVED, OP_CLEARED, OP_INVALID = 0, 1, 2, 3
+
+_BIG_ENDIAN = sys.byteorder == "big"
+_last = itemgetter(-1)
+
+
+def engine_key(engine_hash: str) -> EngineKey:
+    """The EngineKey of a canonical engine-hash string ("u:<hex>", "b:<hex>" or opaque)."""
+    tag = engine_hash[:2]
+    try:
+        if tag == "u:":
+            return int(engine_hash[2:], 16)
+        if tag == "b:":
+            return bytes.fromhex(engine_hash[2:])
+    except ValueError:
+        pass
+    return engine_hash
+
+
+def engine_hash(key: EngineKey) -> str:
+    """The canonical string of an EngineKey (the inverse of engine_key)."""
+    if type(key) is int:
+        return f"u:{key:016x}"
+    if type(key) is bytes:
+        return "b:" + key.hex()
+    return key
+
+
+def _pack_tokens(flat: list[int]) -> bytes:
+    packed = array("I", flat)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack_tokens(packed: bytes, start: int, count: int) -> tuple[int, ...]:
+    ids = array("I")
+    ids.frombytes(packed[start * 4 : (start + count) * 4])
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    return tuple(ids.tolist())
+
+
+@dataclass(slots=True)
+class BulkBatch:
+    """A decoded batch as ops in wire order (tuples, layout above).
+
+    `tokens` packs every stored op's token ids as little-endian u32. `events` and
+    `positions` materialize the same events decode_batch returns (on first access), so
+    a BulkBatch reads like a DecodedBatch.
+    """
+
+    ts: float | None
+    dp_rank: int | None
+    ops: list[tuple[Any, ...]] = field(default_factory=list)
+    tokens: bytes = b""
+    errors: list[EventError] = field(default_factory=list)
+    _events: list[EngineEvent] | None = None
+
+    @property
+    def event_count(self) -> int:
+        return len(self.ops)
+
+    @property
+    def positions(self) -> list[int]:
+        return [op[1] for op in self.ops]
+
+    @property
+    def events(self) -> list[EngineEvent]:
+        if self._events is None:
+            self._events = [self._event(op) for op in self.ops]
+        return self._events
+
+    def _event(self, op: tuple[Any, ...]) -> EngineEvent:
+        if op[0] == OP_STORED:
+            _, _, keys, parent, size, tier, group, lora, salt, start = op
+            return EngineBlockStored(
+                tuple(map(engine_hash, keys)),
+                None if parent is None else engine_hash(parent),
+                _unpack_tokens(self.tokens, start, len(keys) * size),
+                size,
+                tier,
+                lora,
+                salt,
+                group,
+            )
+        if op[0] == OP_REMOVED:
+            return EngineBlockRemoved(tuple(map(engine_hash, op[2])), op[3], op[4])
+        return _ALL_CLEARED
+
+
+def _op_from_event(event: Any, index: int, flat: list[int]) -> tuple[Any, ...]:
+    """The op of one decoded event; a stored event's token ids go to the end of `flat`."""
+    kind = type(event)
+    if kind is EngineBlockStored:
+        op = (
+            OP_STORED,
+            index,
+            list(map(engine_key, event.block_hashes)),
+            None if event.parent is None else engine_key(event.parent),
+            event.block_size,
+            event.tier,
+            event.group_idx,
+            event.lora_name,
+            event.cache_salt,
+            len(flat),
+        )
+        flat.extend(event.token_ids)
+        return op
+    if kind is EngineBlockRemoved:
+        keys = list(map(engine_key, event.block_hashes))
+        return (OP_REMOVED, index, keys, event.tier, event.group_idx)
+    if kind is EngineAllCleared:
+        return (OP_CLEARED, index)
+    return (OP_INVALID, index, kind.__name__)
+
+
+def bulk_from_events(batch: DecodedBatch) -> BulkBatch:
+    """A DecodedBatch's events as ops (for the translator's one apply path).
+
+    Raises InvalidArgument if a stored event's token ids are not all in [0, 2**32).
+    """
+    flat: list[int] = []
+    positions = batch.positions
+    ops = [
+        _op_from_event(event, positions[i] if i < len(positions) else i, flat)
+        for i, event in enumerate(batch.events)
+    ]
+    try:
+        tokens = _pack_tokens(flat)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidArgument(f"token ids must be integers in [0, 2**32): {exc}") from None
+    return BulkBatch(batch.ts, batch.dp_rank, ops, tokens, list(batch.errors))
+
+
+_Ops = tuple[list[tuple[Any, ...]], bytes, list[EventError]]
+
+
+def _reference_ops(raw_events: list[Any]) -> _Ops:
+    """Every event through the per-event decoder (exact errors), as ops."""
+    decoded = DecodedBatch(ts=None, dp_rank=None)
+    decode_events(raw_events, decoded)
+    flat: list[int] = []
+    ops = [
+        _op_from_event(event, index, flat)
+        for event, index in zip(decoded.events, decoded.positions, strict=True)
+    ]
+    return ops, _pack_tokens(flat), decoded.errors
+
+
+def _columnar_ops(raw_events: list[Any]) -> _Ops | None:
+    """Ops of a batch of array-form BlockStored events of one length, field by field.
+
+    Every check runs over a whole column in C. Returns None if the batch is not that
+    shape or any value needs the per-event decoder (a wrong type, an empty LoRA name).
+    """
+    count = len(raw_events)
+    if set(map(type, raw_events)) != {list}:
+        return None
+    width = len(raw_events[0])
+    if width < 5 or list(map(len, raw_events)).count(width) != count:
+        return None
+    columns = list(zip(*raw_events, strict=True))
+    if columns[0].count("BlockStored") != count:
+        return None
+    hashes, parents, tokens, sizes = columns[1], columns[2], columns[3], columns[4]
+    if (
+        set(map(type, hashes)) != {list}
+        or set(map(type, tokens)) != {list}
+        or set(map(type, sizes)) != {int}
+        or min(sizes) <= 0
+    ):
+        return None
+    lengths = list(map(len, hashes))
+    token_counts = list(map(len, tokens))
+    if min(lengths) == 0 or token_counts != list(map(mul, lengths, sizes)):
+        return None
+    optional = {type(None), str}
+    if width > 6:
+        if not set(map(type, columns[6])) <= optional:
+            return None
+        if not all(medium in _TIER_CACHE for medium in set(columns[6])):
+            return None
+        tiers: Any = list(map(_TIER_CACHE.__getitem__, columns[6]))
+    else:
+        tiers = repeat(CacheTier.HBM, count)
+    loras: Any = repeat(None, count)
+    if width > 7:
+        if not set(map(type, columns[7])) <= optional or "" in columns[7]:
+            return None
+        loras = columns[7]
+    salts: Any = repeat(None, count)
+    if width > 8:
+        extra_types = set(map(type, columns[8]))
+        if not extra_types <= {type(None), list}:
+            return None
+        if list in extra_types:
+            salts = [
+                None if extra is None else _salt_from_extra_keys(extra, lora)
+                for extra, lora in zip(columns[8], columns[7], strict=True)
+            ]
+    groups: Any = repeat(None, count)
+    if width > 9:
+        if not set(map(type, columns[9])) <= {type(None), int}:
+            return None
+        groups = columns[9]
+    hash_values = list(chain.from_iterable(hashes))
+    hash_values += [p for p in parents if p is not None]
+    kind = _hash_kind(hash_values)
+    if kind is None:
+        return None
+    packed = _checked_tokens(list(chain.from_iterable(tokens)))
+    if packed is None:
+        return None
+    if kind == "i64":
+        hashes = [[h & _U64_MASK for h in keys] for keys in hashes]
+        parents = [None if p is None else p & _U64_MASK for p in parents]
+    starts = accumulate(token_counts, initial=0)
+    ops = list(
+        zip(
+            repeat(OP_STORED),
+            range(count),
+            hashes,
+            parents,
+            sizes,
+            tiers,
+            groups,
+            loras,
+            salts,
+            starts,
+        )
+    )
+    return ops, packed, []
+
+
+def _fast_ops(raw_events: list[Any]) -> _Ops | None:
+    """Ops of the events, the common valid shapes decoded inline and checked in bulk.
+
+    Returns None when a bulk check fails (a hash or token id of the wrong type or out
+    of range somewhere); the caller then decodes the batch event by event. An event
+    in an uncommon shape goes to the per-event decoder right away.
+    """
+    ops: list[tuple[Any, ...]] = []
+    flat: list[int] = []
+    errors: list[EventError] = []
+    hash_values: list[Any] = []  # every hash and parent of the inline-decoded events
+    inline: list[int] = []  # positions in `ops` of the inline-decoded events
+    add_op, add_inline, add_hashes = ops.append, inline.append, hash_values.extend
+    add_tokens = flat.extend
+    tiers = _TIER_CACHE
+    for index, event in enumerate(raw_events):
+        kind = type(event)
+        stored = False
+        salt: Any = None
+        if kind is list:
+            n = len(event)
+            tag = event[0] if n else None
+            if tag == "BlockStored" and n >= 5:
+                stored = True
+                hashes, parent, tokens, size = event[1], event[2], event[3], event[4]
+                if n >= 10:
+                    medium, lora, extra, group = event[6], event[7], event[8], event[9]
+                else:
+                    medium = event[6] if n > 6 else None
+                    lora = event[7] if n > 7 else None
+                    extra = event[8] if n > 8 else None
+                    group = None
+            elif tag == "BlockRemoved" and n >= 2:
+                hashes = event[1]
+                medium = event[2] if n > 2 else None
+                group = event[3] if n > 3 else None
+            elif tag == "AllBlocksCleared":
+                add_op((OP_CLEARED, index))
+                continue
+            else:
+                _slow_event(event, index, ops, flat, errors)
+                continue
+        elif kind is dict:
+            get = event.get
+            tag = get("type")
+            hashes = get("block_hashes")
+            medium = get("medium")
+            group = get("group_idx")
+            if tag == "BlockStored":
+                stored = True
+                parent = get("parent_block_hash")
+                tokens = get("token_ids")
+                size = get("block_size")
+                lora = get("lora_name")
+                extra = get("extra_keys")
+                salt = get("cache_salt")
+            elif tag != "BlockRemoved" or "block_hashes" not in event:
+                _slow_event(event, index, ops, flat, errors)
+                continue
+        else:
+            _slow_event(event, index, ops, flat, errors)
+            continue
+        # Inline only if every field has its valid type; anything else is decoded (and
+        # rejected with its exact reason) event by event.
+        tier = tiers.get(medium) if medium is None or type(medium) is str else None
+        if tier is None or not (group is None or type(group) is int) or type(hashes) is not list:
+            _slow_event(event, index, ops, flat, errors)
+            continue
+        if not stored:
+            add_hashes(hashes)
+            add_inline(len(ops))
+            add_op((OP_REMOVED, index, hashes, tier, group))
+            continue
+        if not (
+            hashes
+            and type(tokens) is list
+            and type(size) is int
+            and size > 0
+            and len(tokens) == len(hashes) * size
+            and (lora is None or type(lora) is str)
+            and (salt is None or type(salt) is str)
+            and (extra is None or type(extra) is list)
+            and (parent is None or type(parent) is int or type(parent) is bytes)
+        ):
+            _slow_event(event, index, ops, flat, errors)
+            continue
+        lora = lora or None  # "" means absent, as in the per-event decoder
+        salt = salt or None
+        if extra is not None:
+            extra_salt = _salt_from_extra_keys(extra, lora)
+            if salt is None:
+                salt = extra_salt
+        add_hashes(hashes)
+        if parent is not None:
+            hash_values.append(parent)
+        add_inline(len(ops))
+        add_op((OP_STORED, index, hashes, parent, size, tier, group, lora, salt, len(flat)))
+        add_tokens(tokens)
+
+    kind_of_hashes = _hash_kind(hash_values) if hash_values else "u64"
+    if kind_of_hashes is None:
+        return None
+    packed = _checked_tokens(flat)
+    if packed is None:
+        return None
+    if kind_of_hashes == "i64":
+        # i64 hashes: the key is the u64 with the same bits.
+        for position in inline:
+            op = ops[position]
+            keys = [h & _U64_MASK for h in op[2]]
+            if op[0] == OP_STORED:
+                parent = None if op[3] is None else op[3] & _U64_MASK
+                ops[position] = (*op[:2], keys, parent, *op[4:])
+            else:
+                ops[position] = (*op[:2], keys, *op[3:])
+    return ops, packed, errors
+
+
+def _slow_event(
+    event: Any, index: int, ops: list[tuple[Any, ...]], flat: list[int], errors: list[EventError]
+) -> None:
+    try:
+        ops.append(_op_from_event(_event(event, index), index, flat))
+    except _Reject as exc:
+        errors.append(EventError(index, exc.reason, exc.detail))
+    except Exception as exc:  # defensive, as in decode_events
+        errors.append(EventError(index, "bad_event", f"{type(exc).__name__}: {exc}"))
+
+
+def _hash_kind(values: list[Any]) -> str | None:
+    """ "u64" or "i64" (all ints, some negative) or "bytes" (all 1..64 bytes long) if
+    every value is a hash the per-event decoder accepts, else None."""
+    types = set(map(type, values))
+    if types == {int}:
+        low = min(values)
+        if low < _I64_MIN or max(values) >= _U64_END:
+            return None
+        return "i64" if low < 0 else "u64"
+    if types == {bytes}:
+        lengths = set(map(len, values))
+        return "bytes" if min(lengths) > 0 and max(lengths) <= _MAX_HASH_BYTES else None
+    return None
+
+
+def _checked_tokens(flat: list[int]) -> bytes | None:
+    """The ids packed as little-endian u32 if all are ints in [0, 2**32), else None."""
+    try:
+        packed = array("I", flat)  # rejects floats, strings, None, negatives, >= 2**32
+    except (OverflowError, TypeError):
+        return None
+    # ... but not bools, which pack as 0 and 1: only then look at every type.
+    if flat and int(np.frombuffer(packed, dtype=np.uint32).min()) <= 1:
+        if set(map(type, flat)) != {int}:
+            return None
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def decode_bulk(payload: bytes) -> BulkBatch:
+    """decode_batch's events, errors and positions as a BulkBatch (see the module doc).
+
+    Raises WireError only if the payload is not a batch at all.
+    """
+    ts, raw_events, rank = _unpack(payload)
+    errors: list[EventError] = []
+    out_ts, out_rank = _batch_fields(ts, rank, errors)
+    result = None
+    if raw_events:
+        result = _columnar_ops(raw_events)
+        if result is None:
+            result = _fast_ops(raw_events)
+    if result is None:
+        result = _reference_ops(raw_events)
+    ops, packed, event_errors = result
+    errors.extend(event_errors)
+    return BulkBatch(out_ts, out_rank, ops, packed, errors)

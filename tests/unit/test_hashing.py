@@ -1,11 +1,17 @@
 import subprocess
 import sys
 import time
+from array import array
 
 import pytest
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.hashing import block_hashes, identity_digest, request_blocks
+from quillcache_core.hashing import (
+    block_hashes,
+    identity_digest,
+    packed_block_hashes,
+    request_blocks,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -90,3 +96,17 @@ def _timed(fn):
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def test_packed_block_hashes_equal_block_hashes_run_by_run():
+    tokens = [(i * 7919) % 50000 for i in range(10 * 16 + 5)]
+    packed = array("I", tokens).tobytes()
+    if sys.byteorder == "big":
+        packed = b"".join(t.to_bytes(4, "little") for t in tokens)
+    whole = block_hashes(tokens, 16, IDENT)
+    assert packed_block_hashes(packed, 16, IDENT) == whole
+    # A run in the middle of a buffer, chained from the block before it.
+    assert packed_block_hashes(packed, 16, IDENT, whole[2], first_token=48, count=4) == whole[3:7]
+    assert packed_block_hashes(packed, 16, IDENT, whole[8], first_token=144, count=9) == whole[9:]
+    with pytest.raises(InvalidArgument):
+        packed_block_hashes(packed, 0, IDENT)

@@ -287,6 +287,31 @@ def test_put_many_applies_in_order(index: IndexBackend) -> None:
     assert (m.puts, m.resident_blocks, m.resident_bytes) == (3, 2, 5)
 
 
+def test_put_chain_is_put_many_of_the_chain(index: IndexBackend) -> None:
+    scope = ("m0", "tok", None, "t0")
+    chain = [key("a"), key("b", parent="a", block_index=1), key("c", parent="b", block_index=2)]
+    index.put(rec(chain[1], "w0", nbytes=7))  # one already there
+    sibling = rec(key("x", parent="a", block_index=1), "w1")
+    index.put(sibling)  # under the same parent
+    records = index.put_chain(scope, "root", ["a", "b", "c"], 0, 16, "w0", CacheTier.HBM, 100, 9)
+    assert records == [CacheResidency(k, "w0", CacheTier.HBM, 100, 9) for k in chain]
+    for k, r in zip(chain, records, strict=True):
+        assert index.locate(k) == [r]
+    assert bag(index.prefix_scan(chain[0].scope(), "a")) == bag([records[1], sibling])
+    assert len(index) == 4 and index.worker_block_count("w0") == 3
+    m = index.metrics()
+    assert (m.puts, m.resident_bytes) == (5, 300 + 1000)
+    # A fresh chain (the bulk path) under another scope, chained from an existing block.
+    other = ("m0", "tok", "lora", "t1")
+    more = index.put_chain(other, "c", ["d", "e"], 3, 16, "w1", CacheTier.CPU_DRAM, 5)
+    assert [r.key for r in more] == [
+        KvBlockKey("m0", "tok", "lora", "t1", "c", "d", 3, 16),
+        KvBlockKey("m0", "tok", "lora", "t1", "d", "e", 4, 16),
+    ]
+    assert index.prefix_scan(IdentityScope(*other), "d") == [more[1]]
+    assert index.prefix_scan(IdentityScope("m0", "tok", None, "t0"), "d") == []
+
+
 def test_open_index_rejects_unknown_backend_and_lmdb_without_path(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="unknown index backend 'rocks'"):
         open_index("rocks")
@@ -458,6 +483,41 @@ class IndexVsModel(RuleBasedStateMachine):
         for r in batch:
             self.model[(r.key, r.worker_id, r.tier)] = r
         self.puts += len(batch)
+
+    @rule(
+        scope=scopes,
+        parent=st.sampled_from(PARENTS),
+        chain=st.lists(st.sampled_from(HASHES), max_size=4),
+        first_index=st.integers(0, 1),
+        worker=st.sampled_from(WORKERS),
+        tier=st.sampled_from(TIERS),
+        nbytes=st.integers(0, 1 << 20),
+        stamp=st.integers(0, 10),
+    )
+    def put_chain(
+        self,
+        scope: IdentityScope,
+        parent: str,
+        chain: list[str],
+        first_index: int,
+        worker: str,
+        tier: CacheTier,
+        nbytes: int,
+        stamp: int,
+    ) -> None:
+        fields = (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id)
+        records = self.index.put_chain(
+            fields, parent, chain, first_index, 16, worker, tier, nbytes, stamp
+        )
+        expected = []
+        for offset, block_hash in enumerate(chain):
+            k = KvBlockKey(*fields, parent, block_hash, first_index + offset, 16)
+            expected.append(CacheResidency(k, worker, tier, nbytes, stamp))
+            parent = block_hash
+        assert records == expected
+        for r in records:
+            self.model[(r.key, r.worker_id, r.tier)] = r
+        self.puts += len(records)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), nbytes=st.integers(0, 1 << 20))

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_conductor.kv_wire import (
@@ -10,6 +15,7 @@ from quillcache_conductor.kv_wire import (
     EngineBlockRemoved,
     EngineBlockStored,
     decode_batch,
+    decode_bulk,
 )
 from quillcache_core.hashing import request_blocks
 from quillcache_core.index.memory import MemoryIndex
@@ -262,3 +268,91 @@ def test_decoder_errors_are_passed_through_first():
     assert result.applied == 1
     assert [(e.index, e.reason) for e in result.rejected] == [(1, "bad_tokens")]
     assert tr.stats.events_applied == 1 and tr.stats.events_rejected == 1
+
+
+# --- the bulk path (decode_bulk, runs) does exactly what per-event application does ----
+
+
+class PerBlockTranslator(EngineEventTranslator):
+    """The reference: never the bulk run path, every event applied block by block."""
+
+    def _store_run(self, *args, **kwargs) -> bool:
+        return False
+
+
+def state(index, tr) -> tuple:
+    stats = tr.stats
+    return (
+        Counter(index.snapshot()),
+        len(tr),
+        (stats.blocks_stored, stats.blocks_removed, stats.unknown_parent, stats.overflow),
+        (stats.unknown_removed, stats.events_applied, stats.events_rejected),
+    )
+
+
+@pytest.mark.parametrize("salt", [None, "acme"])
+def test_one_block_events_chained_get_the_gateway_hashes_through_the_bulk_path(salt):
+    """The benchmark's shape: each event one block, chained to the previous event."""
+    index, tr = make()
+    enc = encoder()
+    tokens = PROMPT[: 5 * BS]
+    events = [enc.stored_event(tokens[: (n + 1) * BS], salt=salt) for n in range(5)]
+    bulk = decode_bulk(enc.batch(events, ts=1700000000.0))
+    assert [len(op[2]) for op in bulk.ops] == [1] * 5
+    result = tr.apply(bulk)
+    assert result.applied == 5 and result.rejected == []
+    expected = gateway_keys(tokens, salt)
+    assert engine_keys(index) == set(expected)
+    for key in expected:
+        (res,) = index.locate(key)
+        assert (res.worker_id, res.tier, res.last_access_ms) == (
+            ENGINE,
+            CacheTier.HBM,
+            1700000000000,
+        )
+    assert [tr.key_for(f"u:{e[1][0]:016x}") for e in events] == expected
+
+
+_POOL = st.integers(1, 12)  # engine hashes from a small pool: reuse, repeats, unknown parents
+
+
+@st.composite
+def _histories(draw: st.DrawFn) -> list[bytes]:
+    """Batches of raw vLLM events: chains (often one block an event), removals, clears."""
+    payloads = []
+    for _ in range(draw(st.integers(1, 4))):
+        events: list = []
+        last = None
+        for _ in range(draw(st.integers(1, 8))):
+            what = draw(st.sampled_from(["chain", "chain", "chain", "root", "removed", "clear"]))
+            medium = draw(st.sampled_from(["GPU", "GPU", "CPU"]))
+            if what == "removed":
+                events.append(["BlockRemoved", draw(st.lists(_POOL, max_size=3)), medium])
+                continue
+            if what == "clear":
+                events.append(["AllBlocksCleared"])
+                continue
+            blocks = draw(st.integers(1, 3))
+            hashes = draw(st.lists(_POOL, min_size=blocks, max_size=blocks))
+            parent = last if what == "chain" else draw(st.none() | _POOL)
+            tokens = draw(st.lists(st.integers(0, 3), min_size=2 * blocks, max_size=2 * blocks))
+            salt = draw(st.sampled_from([None, [["acme"]]]))
+            events.append(["BlockStored", hashes, parent, tokens, 2, None, medium, None, salt])
+            last = hashes[-1]
+        payloads.append(msgpack.packb([1.0, events, 0]))
+    return payloads
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_histories(), st.integers(2, 40))
+def test_bulk_path_equals_per_block_application(payloads, max_tracked):
+    fast_index, fast = make(max_tracked=max_tracked)
+    ref_index = MemoryIndex()
+    ref = PerBlockTranslator(ref_index, ENGINE, MODEL, TOKENIZER, max_tracked=max_tracked)
+    for payload in payloads:
+        got = fast.apply(decode_bulk(payload))
+        want = ref.apply(decode_batch(payload))
+        assert (got.applied, got.rejected) == (want.applied, want.rejected)
+        assert state(fast_index, fast) == state(ref_index, ref)
+    for engine_hash in {f"u:{h:016x}" for h in range(1, 13)}:
+        assert fast.key_for(engine_hash) == ref.key_for(engine_hash)

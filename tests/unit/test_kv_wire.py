@@ -11,12 +11,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quillcache_conductor.kv_wire import (
+    BulkBatch,
     DecodedBatch,
     EngineAllCleared,
     EngineBlockRemoved,
     EngineBlockStored,
     WireError,
     decode_batch,
+    decode_bulk,
+    engine_hash,
+    engine_key,
     normalize_hash,
 )
 from quillcache_core.errors import InvalidArgument
@@ -436,8 +440,12 @@ _BATCHES = (
 def _decode_or_wire_error(payload: bytes) -> None:
     try:
         batch = decode_batch(payload)
-    except WireError:
+    except WireError as exc:
+        with pytest.raises(WireError) as bulk_exc:
+            decode_bulk(payload)
+        assert bulk_exc.value.reason == exc.reason
         return
+    _assert_bulk_matches(payload, batch)
     assert isinstance(batch, DecodedBatch)
     assert len(batch.positions) == len(batch.events)
     for event in batch.events:
@@ -465,3 +473,103 @@ def test_decoder_never_raises_on_mangled_valid_payloads(noise, where):
     payload = enc.batch([enc.stored_event(LONGER, salt="acme"), enc.cleared_event()])
     where %= len(payload)
     _decode_or_wire_error(payload[:where] + noise + payload[where + len(noise) :])
+
+
+# --- decode_bulk: the conductor's fast path decodes exactly what decode_batch does -------
+
+
+def _assert_bulk_matches(payload: bytes, reference: DecodedBatch | None = None) -> BulkBatch:
+    reference = reference if reference is not None else decode_batch(payload)
+    bulk = decode_bulk(payload)
+    assert isinstance(bulk, BulkBatch)
+    assert (bulk.ts, bulk.dp_rank) == (reference.ts, reference.dp_rank)
+    assert bulk.errors == reference.errors
+    assert bulk.positions == reference.positions
+    assert bulk.event_count == len(reference.events)
+    assert bulk.events == reference.events
+    return bulk
+
+
+@pytest.mark.parametrize("hash_style", HASH_STYLES)
+@pytest.mark.parametrize("batch_encoding", ENCODINGS)
+@pytest.mark.parametrize("event_encoding", ENCODINGS)
+def test_bulk_decodes_every_encoding_like_the_reference(event_encoding, batch_encoding, hash_style):
+    enc = VllmEventEncoder(
+        encoding=event_encoding, hash_style=hash_style, block_size=BS, seed=b"s" * 16
+    )
+    events = [
+        enc.stored_event(PROMPT, salt="acme", lora="lora-a"),
+        enc.stored_event(LONGER, salt="acme", lora="lora-a", medium="CPU"),
+        enc.removed_event(LONGER, salt="acme", lora="lora-a", last=1),
+        enc.cleared_event(),
+        enc.malformed_event(),
+    ]
+    _assert_bulk_matches(encode_batch(events, batch_encoding, ts=12.5, dp_rank=3))
+
+
+@pytest.mark.parametrize("hash_style", HASH_STYLES)
+def test_bulk_decodes_a_chain_of_one_block_events_column_by_column(hash_style):
+    """The shape the benchmark sends: one event per block, each chained to the last."""
+    enc = VllmEventEncoder(hash_style=hash_style, block_size=BS, seed=b"c" * 16)
+    tokens = list(range(1000, 1000 + 40 * BS))
+    events = [enc.stored_event(tokens[: (n + 1) * BS], salt="acme") for n in range(40)]
+    bulk = _assert_bulk_matches(enc.batch(events))
+    keys = [op[2][0] for op in bulk.ops]
+    assert [op[3] for op in bulk.ops[1:]] == keys[:-1]
+    assert bulk.tokens == b"".join(t.to_bytes(4, "little") for t in tokens)
+
+
+def test_engine_keys_round_trip():
+    for text in ("u:0000000000000007", "u:ffffffffffffffff", "b:" + "ab" * 32, "s:opaque"):
+        assert engine_hash(engine_key(text)) == text
+    assert engine_key(normalize_hash(-1)) == engine_key(normalize_hash(2**64 - 1)) == 2**64 - 1
+
+
+def _column_value(name: str) -> Any:
+    """Values one field of an array-form BlockStored takes: mostly valid, sometimes not."""
+    valid = {
+        "parent": st.none() | st.integers(0, 5),
+        "medium": st.sampled_from([None, "GPU", "CPU", "DISK"]),
+        "lora": st.sampled_from([None, "lora-a"]),
+        "extra": st.sampled_from([None, [["acme"]], [["lora-a", "acme"]], [None]]),
+        "group": st.sampled_from([None, 0, 1]),
+    }[name]
+    invalid = st.sampled_from(["", "TAPE", 1.5, True, -1, [1], b"x", 2**32])
+    return st.one_of(valid, valid, valid, invalid)
+
+
+@st.composite
+def _uniform_stored_batches(draw: st.DrawFn) -> bytes:
+    """Array-form BlockStored events of one width (the columnar path), mostly valid."""
+    width = draw(st.integers(5, 12))
+    events = []
+    for _ in range(draw(st.integers(1, 6))):
+        blocks = draw(st.integers(0, 3))
+        size = draw(st.sampled_from([BS, BS, 2, 0]))
+        hashes = draw(
+            st.lists(st.integers(-(2**63), 2**64 - 1), min_size=blocks, max_size=blocks)
+            | st.lists(st.binary(min_size=32, max_size=32), min_size=blocks, max_size=blocks)
+            | st.lists(st.sampled_from([1, True, "h", b""]), min_size=blocks, max_size=blocks)
+        )
+        count = blocks * size + draw(st.sampled_from([0, 0, 0, 1]))
+        tokens = draw(
+            st.lists(st.integers(0, 2**32 - 1), min_size=count, max_size=count)
+            | st.lists(st.sampled_from([0, 1, True, -1, 2**32, 7]), min_size=count, max_size=count)
+        )
+        event = ["BlockStored", hashes, draw(_column_value("parent")), tokens, size, None]
+        event += [draw(_column_value(name)) for name in ("medium", "lora", "extra", "group")]
+        event += [None, None]
+        events.append(event[:width])
+    return msgpack.packb([1.0, events, 0], use_bin_type=True)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_uniform_stored_batches())
+def test_bulk_matches_the_reference_on_uniform_stored_batches(payload):
+    _assert_bulk_matches(payload)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_ARRAY_EVENTS | _MAP_EVENTS, max_size=6))
+def test_bulk_matches_the_reference_on_mixed_events(events):
+    _assert_bulk_matches(msgpack.packb([0.5, events], use_bin_type=True))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 from quillcache_core.index.base import IndexBackend
 from quillcache_core.model import (
@@ -24,21 +25,20 @@ _Records = dict[_Slot, CacheResidency]
 # dicts per block measured ~3x put() throughput and ~1/4 the memory (about 250 bytes
 # a record) against the all-dicts layout at 1M distinct blocks.
 _HashCell = CacheResidency | dict[KvBlockKey, _Records]
-# (model_id, tokenizer_id, adapter_id, tenant_id, prefix_hash): a plain tuple rather
-# than an IdentityScope, because building and hashing a tuple of strings stays in C.
-_PrefixKey = tuple[str, str, str | None, str, str]
+# (model_id, tokenizer_id, adapter_id, tenant_id): a plain tuple rather than an
+# IdentityScope, because building and hashing a tuple of strings stays in C.
+_ScopeKey = tuple[str, str, str | None, str]
 # The keys with records under one (scope, parent): inline when there is one (the rule
 # for a chain), a set otherwise.
 _PrefixCell = KvBlockKey | set[KvBlockKey]
 
 
+_new = tuple.__new__
+
+
 def _tier_value(tier: object) -> str:
     """The slot spelling of a CacheTier or of any name CacheTier.parse accepts."""
     return (tier if isinstance(tier, CacheTier) else CacheTier.parse(str(tier)))._value_
-
-
-def _prefix_key(key: KvBlockKey) -> _PrefixKey:
-    return (key.model_id, key.tokenizer_id, key.adapter_id, key.tenant_id, key.prefix_hash)
 
 
 def _same_key(a: KvBlockKey, b: KvBlockKey) -> bool:
@@ -61,7 +61,9 @@ class MemoryIndex(IndexBackend):
         # block_hash -> its records. Also the primary index: locate(key) goes through
         # the key's block_hash, so no separate key -> records map is kept.
         self._by_hash: dict[str, _HashCell] = {}
-        self._by_prefix: dict[_PrefixKey, _PrefixCell] = {}
+        # scope -> parent hash -> the keys under it. Nested by scope so that a chain of
+        # one scope links its blocks by their (existing) parent-hash strings.
+        self._by_prefix: dict[_ScopeKey, dict[str, _PrefixCell]] = {}
         # worker -> id(record) -> record: the stored objects themselves, keyed by id
         # because hashing an int is C while hashing a CacheResidency or a (key, tier)
         # tuple calls dataclass __hash__. Safe: the dict keeps each record alive, so
@@ -112,6 +114,89 @@ class MemoryIndex(IndexBackend):
         put = self.put
         for residency in residencies:
             put(residency)
+
+    def put_chain(
+        self,
+        scope: _ScopeKey,
+        parent: str,
+        block_hashes: Sequence[str],
+        first_index: int,
+        token_count: int,
+        worker_id: str,
+        tier: CacheTier,
+        nbytes: int,
+        last_access_ms: int = 0,
+    ) -> list[CacheResidency]:
+        """Put a chain of blocks of one scope, all on one worker and tier; returns the
+        records (in chain order).
+
+        Block i's key is KvBlockKey(*scope, prefix, block_hashes[i], first_index + i,
+        token_count) with prefix `parent` for the first block and the previous hash
+        after, so this is put_many of those records. The event path's bulk insert: when
+        every hash and parent is new to the index (the rule for a fresh chain) the keys
+        and records are built and linked with C-level dict updates, no Python call per
+        block; otherwise each record goes through put(), in order.
+        """
+        count = len(block_hashes)
+        if not count:
+            return []
+        prefixes = [parent]
+        prefixes += block_hashes[:-1]
+        model_id, tokenizer_id, adapter_id, tenant_id = scope
+        keys = list(
+            map(
+                _new,
+                repeat(KvBlockKey),
+                zip(
+                    repeat(model_id),
+                    repeat(tokenizer_id),
+                    repeat(adapter_id),
+                    repeat(tenant_id),
+                    prefixes,
+                    block_hashes,
+                    range(first_index, first_index + count),
+                    repeat(token_count),
+                ),
+            )
+        )
+        records: list[CacheResidency] = list(
+            map(
+                _new,
+                repeat(CacheResidency),
+                zip(
+                    keys,
+                    repeat(worker_id),
+                    repeat(tier),
+                    repeat(nbytes),
+                    repeat(last_access_ms),
+                    repeat(0),
+                    repeat(False),
+                ),
+            )
+        )
+        by_hash = self._by_hash
+        fresh = dict(zip(block_hashes, records, strict=True))
+        if len(fresh) != count or not by_hash.keys().isdisjoint(fresh):
+            self.put_many(records)
+            return records
+        self._puts += count
+        by_hash.update(fresh)
+        cells = self._by_prefix.get(scope)
+        if cells is None:
+            cells = self._by_prefix[scope] = {}
+        links = dict(zip(prefixes, keys, strict=True))
+        if len(links) == count and cells.keys().isdisjoint(links):
+            cells.update(links)
+        else:
+            for key in keys:
+                self._link_key(key)
+        held = self._by_worker.get(worker_id)
+        if held is None:
+            held = self._by_worker[worker_id] = {}
+        held.update(zip(map(id, records), records, strict=True))
+        self._count += count
+        self._bytes += count * nbytes
+        return records
 
     def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
         """Remove every tier of this block that `worker_id` holds under `scope`.
@@ -212,25 +297,33 @@ class MemoryIndex(IndexBackend):
 
     def _link_key(self, key: KvBlockKey) -> None:
         """Record that `key` (which had no records until now) has one."""
-        prefix_key = _prefix_key(key)
-        cell = self._by_prefix.get(prefix_key)
+        scope = key[:4]
+        cells = self._by_prefix.get(scope)
+        if cells is None:
+            cells = self._by_prefix[scope] = {}
+        prefix = key.prefix_hash
+        cell = cells.get(prefix)
         if cell is None:
-            self._by_prefix[prefix_key] = key
+            cells[prefix] = key
         elif type(cell) is set:
             cell.add(key)
         else:
-            self._by_prefix[prefix_key] = {cell, key}
+            cells[prefix] = {cell, key}
 
     def _unlink_key(self, key: KvBlockKey) -> None:
         """Record that `key`'s last record is gone."""
-        prefix_key = _prefix_key(key)
-        cell = self._by_prefix[prefix_key]
+        scope = key[:4]
+        cells = self._by_prefix[scope]
+        prefix = key.prefix_hash
+        cell = cells[prefix]
         if type(cell) is not set:
-            del self._by_prefix[prefix_key]
+            del cells[prefix]
+            if not cells:
+                del self._by_prefix[scope]
             return
         cell.remove(key)
         if len(cell) == 1:
-            (self._by_prefix[prefix_key],) = cell
+            (cells[prefix],) = cell
 
     # --- reads -------------------------------------------------------------------------
 
@@ -275,9 +368,12 @@ class MemoryIndex(IndexBackend):
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         """Residencies in `scope` whose key's parent hash is `prefix_hash`."""
         self._prefix_scans += 1
-        cell = self._by_prefix.get(
-            (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id, prefix_hash)
+        cells = self._by_prefix.get(
+            (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id)
         )
+        if cells is None:
+            return []
+        cell = cells.get(prefix_hash)
         if cell is None:
             return []
         if type(cell) is not set:
