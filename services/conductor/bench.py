@@ -39,6 +39,7 @@ from quillcache_conductor.kv_wire import decode_bulk
 from quillcache_core.benchutil import Progress, percentiles_us, render_table, write_results
 from quillcache_core.etcd_server import EtcdServer, free_port
 from quillcache_core.hashing import request_blocks
+from quillcache_core.heap import HeapSettler
 from quillcache_core.index import MemoryIndex
 from quillcache_core.plan_client import PlanClient
 from quillcache_core.plan_wire import pack_hashes
@@ -321,9 +322,11 @@ def _ingest_in_process(payloads: list[bytes]) -> dict:
     baseline = blocks / (time.perf_counter() - t)
     translator = EngineEventTranslator(MemoryIndex(), "bench-engine", MODEL, TOKENIZER)
     progress = Progress("events in-process", len(payloads))
+    heap = HeapSettler()  # as the conductor's tick does
     t = time.perf_counter()
     for p in payloads:
         translator.apply(decode_bulk(p))
+        heap.maybe_settle()
         progress.advance()
     rate = blocks / (time.perf_counter() - t)
     return {"block_events_per_s": rate, "msgpack_only_per_s": baseline, "blocks": blocks}

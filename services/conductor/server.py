@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import random
 import time
@@ -16,6 +15,7 @@ from quillcache_conductor.config import ConductorConfig
 from quillcache_conductor.events import EventRouter
 from quillcache_conductor.servicer import ConductorServicer
 from quillcache_conductor.state import ConductorState
+from quillcache_core.heap import HeapSettler
 from quillcache_core.index import open_index
 from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.model import CostModel
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = conductor_pb2.DESCRIPTOR.services_by_name["Conductor"].full_name
 TICK_S = 0.05
 FLUSH_S = 1.0
-FREEZE_S = 10.0
+FREEZE_S = 1.0
 
 
 class ConductorServer:
@@ -186,8 +186,9 @@ class ConductorServer:
                 self.state.store_joined(record)
 
     async def _tick(self) -> None:
-        last_flush = last_freeze = time.monotonic()
-        gc.freeze()
+        last_flush = time.monotonic()
+        heap = HeapSettler(FREEZE_S)
+        heap.settle()
         while True:
             await asyncio.sleep(TICK_S)
             self.state.tick()
@@ -195,13 +196,9 @@ class ConductorServer:
             if now - last_flush >= FLUSH_S:
                 last_flush = now
                 await asyncio.to_thread(self.index.flush)
-            if now - last_freeze >= FREEZE_S:
-                # The index is millions of long-lived objects; a full collection that
-                # walks them all was the conductor's worst Plan latency (4-5 ms at 1M
-                # records). Frozen objects are still freed by reference counting;
-                # only the cycle collector skips them.
-                last_freeze = now
-                gc.freeze()
+            # The index is millions of long-lived objects: keep the cycle collector
+            # from walking them inside a Plan (see quillcache_core.heap).
+            heap.maybe_settle()
 
     async def stop(self) -> None:
         for task in self._tasks:
