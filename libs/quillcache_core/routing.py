@@ -27,17 +27,7 @@ def plan_request(
     chained prefix cannot be reused past it, so the policies never look further
     (`decision.usable` is then shorter than the request's blocks).
     """
-    located = index.locate_hashes([key.block_hash for key in request.blocks])
-    if overlay:
-        get = overlay.get
-        for i, key in enumerate(request.blocks):
-            extra = get(key.block_hash)
-            if extra:
-                located[i] = [*located[i], *extra]
-    for i, found in enumerate(located):
-        if not found:
-            del located[i:]
-            break
+    located = index.locate_prefix([key.block_hash for key in request.blocks], overlay)
     audit = audit_reuse(request.scope(), located)
     decision = policy.plan(request, audit.usable, fleet, rng)
     decision.refusals = audit.refusals

@@ -348,24 +348,25 @@ class ConductorState:
         """Overlay records for the request's blocks not already in its engine's HBM."""
         engine = decision.engine.id
         hbm = CacheTier.HBM
-        held: set[int] = set()
-        for run in action_runs(decision.actions):
-            if run.source_tier is hbm and run.source_node == engine:
-                held.update(range(run.first, run.first + run.count))
+        blocks = request.blocks
+        held = [
+            (run.first, run.first + run.count)
+            for run in action_runs(decision.actions)
+            if run.source_tier is hbm and run.source_node == engine
+        ]
+        if not held:
+            new = blocks
+        elif len(held) == 1 and held[0][0] == 0:  # the rule: the hits are a prefix
+            new = blocks[held[0][1] :]
+        else:
+            skip = {i for first, end in held for i in range(first, end)}
+            new = [key for i, key in enumerate(blocks) if i not in skip]
         nbytes = request.block_bytes
-        overlay = self.optimistic
-        records = []
         make = CacheResidency._make
-        for i, key in enumerate(request.blocks):
-            if i in held:
-                continue
-            record = make((key, engine, hbm, nbytes, 0, 0, False))
-            records.append(record)
-            found = overlay.get(key.block_hash)
-            if found is None:
-                overlay[key.block_hash] = [record]
-            else:
-                found.append(record)
+        records = [make((key, engine, hbm, nbytes, 0, 0, False)) for key in new]
+        slot = self.optimistic.setdefault
+        for record in records:
+            slot(record[0][5], []).append(record)  # key.block_hash
         return records
 
     def _forget_optimistic(self, res: Reservation) -> None:

@@ -144,3 +144,30 @@ def test_observing_finish_does_not_promote_twice():
     assert state.index.metrics().resident_blocks == 0
     state.observe(engine_id, request.blocks)
     assert state.index.worker_block_count(engine_id) == 3
+
+
+@pytest.mark.parametrize("backend", ["memory", "lmdb", "mirrored"])
+def test_locate_prefix_stops_at_the_first_block_held_nowhere(backend, tmp_path):
+    from quillcache_core.index import open_index
+
+    index = (
+        open_index("memory")
+        if backend == "memory"
+        else open_index("lmdb", str(tmp_path / "i"), mirror=backend == "mirrored")
+    )
+    request = make_request(8)
+    keys = request.blocks
+    hashes = [k.block_hash for k in keys]
+    index.put_many(
+        [CacheResidency(k, "e0", CacheTier.HBM, 1) for k in keys[:3]]
+        + [CacheResidency(keys[1], "s0", CacheTier.CPU_DRAM, 1)]
+        + [CacheResidency(k, "e1", CacheTier.HBM, 1) for k in keys[5:]]
+    )
+    found = index.locate_prefix(iter(hashes))
+    assert [sorted(r.worker_id for r in f) for f in found] == [["e0"], ["e0", "s0"], ["e0"]]
+    # An overlay record for block 3 carries the prefix on to block 4 (held nowhere).
+    extra = {hashes[3]: [CacheResidency(keys[3], "e2", CacheTier.HBM, 1)]}
+    found = index.locate_prefix(hashes, extra)
+    assert [sorted(r.worker_id for r in f) for f in found] == [["e0"], ["e0", "s0"], ["e0"], ["e2"]]
+    assert index.locate_prefix([]) == []
+    index.close()

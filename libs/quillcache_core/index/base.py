@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from quillcache_core.model import CacheResidency, IdentityScope, IndexMetrics, KvBlockKey
 
@@ -45,6 +45,27 @@ class IndexBackend(abc.ABC):
 
     def locate_hashes(self, block_hashes: Iterable[str]) -> list[list[CacheResidency]]:
         return [self.locate_hash(block_hash) for block_hash in block_hashes]
+
+    def locate_prefix(
+        self,
+        block_hashes: Iterable[str],
+        extra: Mapping[str, list[CacheResidency]] | None = None,
+    ) -> list[list[CacheResidency]]:
+        """locate_hash for each hash up to the first one held nowhere (exclusive).
+
+        `extra` adds records the index does not hold, by hash. A chained prefix cannot
+        be reused past a block nobody holds, so a planner need not look further.
+        """
+        hashes = list(block_hashes)
+        out: list[list[CacheResidency]] = []
+        for block_hash, found in zip(hashes, self.locate_hashes(hashes), strict=True):
+            added = extra.get(block_hash) if extra else None
+            if added:
+                found = [*found, *added]
+            if not found:
+                break
+            out.append(found)
+        return out
 
     @abc.abstractmethod
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:

@@ -365,6 +365,29 @@ class MemoryIndex(IndexBackend):
                 append(self.locate_hash(block_hash))
         return out
 
+    def locate_prefix(self, block_hashes, extra=None) -> list[list[CacheResidency]]:
+        """`IndexBackend.locate_prefix`, inlined like locate_hashes (the Plan hot path)."""
+        get = self._by_hash.get
+        more = extra.get if extra else None
+        out: list[list[CacheResidency]] = []
+        append = out.append
+        for block_hash in block_hashes:
+            cell = get(block_hash)
+            if cell is None:
+                found = []
+            elif type(cell) is not dict:
+                found = [cell]
+            else:
+                found = self.locate_hash(block_hash)
+            if more is not None:
+                added = more(block_hash)
+                if added:
+                    found = found + added
+            if not found:
+                break
+            append(found)
+        return out
+
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         """Residencies in `scope` whose key's parent hash is `prefix_hash`."""
         self._prefix_scans += 1

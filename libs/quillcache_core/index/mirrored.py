@@ -101,6 +101,9 @@ class MirroredIndex(IndexBackend):
     def locate_hashes(self, block_hashes) -> list[list[CacheResidency]]:
         return self._memory.locate_hashes(block_hashes)
 
+    def locate_prefix(self, block_hashes, extra=None) -> list[list[CacheResidency]]:
+        return self._memory.locate_prefix(block_hashes, extra)
+
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         return self._memory.prefix_scan(scope, prefix_hash)
 
