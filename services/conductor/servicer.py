@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from functools import partial
 from itertools import count, repeat
 
 import grpc
@@ -59,15 +60,20 @@ def _cost_key(cost) -> float:
     return cost.cost_us
 
 
+# tuple.__new__ bound to the class: C all the way, where NamedTuple._make is a Python
+# call per key.
+_new_key = partial(tuple.__new__, KvBlockKey)
+
+
 def _chain_keys(scope: IdentityScope, hashes: list[str], counts) -> list[KvBlockKey]:
-    """Keys of chained blocks; `_make` over zipped columns builds them about 2.5x faster
-    than calling the class per block (this runs for every block of every plan)."""
+    """Keys of chained blocks, built from zipped columns about 2.5x faster than calling
+    the class per block (this runs for every block of every plan)."""
     parents = [ROOT_PARENT, *hashes]
     parents.pop()
     same = repeat
     return list(
         map(
-            KvBlockKey._make,
+            _new_key,
             zip(
                 same(scope.model_id),
                 same(scope.tokenizer_id),

@@ -362,8 +362,8 @@ class ConductorState:
             skip = {i for first, end in held for i in range(first, end)}
             new = [key for i, key in enumerate(blocks) if i not in skip]
         nbytes = request.block_bytes
-        make = CacheResidency._make
-        records = [make((key, engine, hbm, nbytes, 0, 0, False)) for key in new]
+        make = tuple.__new__
+        records = [make(CacheResidency, (key, engine, hbm, nbytes, 0, 0, False)) for key in new]
         slot = self.optimistic.setdefault
         for record in records:
             slot(record[0][5], []).append(record)  # key.block_hash
@@ -371,13 +371,15 @@ class ConductorState:
 
     def _forget_optimistic(self, res: Reservation) -> None:
         overlay = self.optimistic
+        get = overlay.get
         for record in res.optimistic:
-            found = overlay.get(record.key.block_hash)
+            block_hash = record[0][5]  # record.key.block_hash, without two property calls
+            found = get(block_hash)
             if found is None:
                 continue
             if len(found) == 1:
                 if found[0] is record:
-                    del overlay[record.key.block_hash]
+                    del overlay[block_hash]
                 continue
             for i, other in enumerate(found):
                 if other is record:
