@@ -243,11 +243,12 @@ async def _bench(args, etcd, address, results) -> None:
         ("plan_unary", stub.Plan, stub.Finish),
         ("plan", plans.plan, plans.finish),
     ):
-        lat = []
+        lat, inside = [], []
         for req in requests[: args.plans]:
             t = time.perf_counter()
             reply = await plan_call(req, timeout=5)
             lat.append(time.perf_counter() - t)
+            inside.append(reply.plan_us / 1e6)
             await finish_call(
                 conductor_pb2.FinishRequest(
                     reservation_id=reply.reservation_id,
@@ -257,6 +258,7 @@ async def _bench(args, etcd, address, results) -> None:
             )
             progress.advance()
         results[name] = percentiles_us(lat)
+        results[name + "_in_conductor"] = percentiles_us(inside)
     results["health_check"] = percentiles_us(base)
 
     # --- throughput: concurrent clients, each Plan finished before the client's next one,
@@ -443,6 +445,13 @@ def _report(args, results) -> None:
                     plan["p99_us"],
                     base["p99_us"],
                     plan["p99_us"] / base["p99_us"],
+                ),
+                (
+                    "  of which planning in the conductor, p50/p99 (us)",
+                    f"{results['plan_in_conductor']['p50_us']:,.0f} / "
+                    f"{results['plan_in_conductor']['p99_us']:,.0f}",
+                    "",
+                    "",
                 ),
                 (
                     f"plans/s, {args.concurrency} clients, unary",
