@@ -96,6 +96,7 @@ _STR_FIELDS = (
     "tokenizer",
     "store_node",
     "version",
+    "data_address",
 )
 
 
@@ -121,6 +122,7 @@ class NodeRecord:
     capacity_bytes: int = 0
     version: str = ""
     start_time_s: float = 0.0
+    data_address: str = ""  # host:port of a store's raw TCP block-data port, or ""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:

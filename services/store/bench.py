@@ -2,15 +2,19 @@
 
 One run measures, with 2 MiB blocks (default):
 
-- baselines: raw loopback TCP streaming (sendall / recv_into), a bare gRPC raw-bytes
+- baselines: raw loopback TCP streaming (sendall / recv_into; one cache-hot buffer
+  sent again and again, and, paired with the peer passes, also 128 distinct buffers on
+  each side as a pool has, which is slower), a bare gRPC raw-bytes
   stream (one call; and one call per block, down and up: the same RPC shapes as Get and
   Put, with no store behind them), and a raw sequential file write of the same bytes
   followed by fdatasync;
 - the store over gRPC (real `quillcache store` process, `--clients` concurrent
   clients): put into DRAM (a fresh pool, whose pages fault in, and a warm pool, whose
   buffers are reused), get from DRAM, put to and get from SSD, and durable puts from
-  `--durable-clients` clients (SSD commit before the ack; concurrent puts share commits),
-  each pass right after a raw fsync'd write pass (the disk's speed drifts);
+  `--durable-clients` clients (SSD commit before the ack; concurrent puts share commits)
+  through the store's block-data port (raw TCP puts, `StoreClient(data_address=...)`)
+  and over gRPC, each pair of passes right after a raw fsync'd write pass (the disk's
+  speed drifts);
 - peer fetch between two store processes (real etcd, conductor, transfer): bulk
   Transfer.Copy A -> B over the block data path (B pulls from A's raw TCP data port,
   the transfer service orchestrating), the same Copy over the gRPC path (a second
@@ -20,7 +24,7 @@ One run measures, with 2 MiB blocks (default):
   bytes then reach the client over gRPC). Each pass follows a raw TCP pass.
 
 Each figure is the median of `--repeat` passes. Goals checked: peer fetch (Copy) >= 50%
-of raw TCP; durable puts >= 60% of the raw fsync'd write. Results go to
+of raw TCP; durable puts (through the data port) >= 60% of the raw fsync'd write. Results go to
 bench/results/store-<stamp>.json and .png (and store-latest.*).
 """
 
@@ -50,9 +54,11 @@ from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store.ssd import tune_malloc_for_large_values
 
 MIB = 1024 * 1024
+DURABLE = "durable put, data port (group commit)"
+DURABLE_GRPC = "durable put, gRPC (group commit)"
 GOALS = (
     ("peer fetch: transfer Copy A->B", "raw TCP loopback (paired)", 0.50),
-    ("durable put (group commit)", "raw write + fdatasync", 0.60),
+    (DURABLE, "raw write + fdatasync", 0.60),
 )
 
 
@@ -136,8 +142,24 @@ class _Service:
 # --- baselines ------------------------------------------------------------------------------
 
 
-def raw_tcp(blocks: int, block_bytes: int) -> float:
-    """Seconds to stream `blocks` blocks over loopback TCP (sender and receiver threads)."""
+def distinct_buffers(blocks: int, block_bytes: int) -> tuple[list[bytes], list[memoryview]]:
+    """`blocks` different source payloads and as many receive buffers, every page touched."""
+    rng = np.random.default_rng(5)
+    sources = [rng.bytes(block_bytes) for _ in range(blocks)]
+    sinks = [memoryview(bytearray(block_bytes)) for _ in range(blocks)]
+    for sink in sinks:
+        sink[:] = sources[0]
+    return sources, sinks
+
+
+def raw_tcp(
+    blocks: int, block_bytes: int, buffers: tuple[list[bytes], list[memoryview]] | None = None
+) -> float:
+    """Seconds to stream `blocks` blocks over loopback TCP (sender and receiver threads).
+
+    By default one cache-hot buffer is sent again and again into one receive buffer;
+    with `buffers` (`distinct_buffers`) block i goes from source i to sink i, as a pool's
+    blocks do."""
     blob = np.random.default_rng(1).bytes(block_bytes)
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -145,9 +167,10 @@ def raw_tcp(blocks: int, block_bytes: int) -> float:
 
     def receive() -> None:
         conn, _ = server.accept()
-        buf = memoryview(bytearray(block_bytes))
+        own = memoryview(bytearray(block_bytes))
         with conn:
-            for _ in range(blocks):
+            for i in range(blocks):
+                buf = buffers[1][i % len(buffers[1])] if buffers else own
                 got = 0
                 while got < block_bytes:
                     n = conn.recv_into(buf[got:], block_bytes - got)
@@ -160,8 +183,8 @@ def raw_tcp(blocks: int, block_bytes: int) -> float:
     receiver.start()
     with socket.create_connection(("127.0.0.1", port)) as sock:
         start = time.perf_counter()
-        for _ in range(blocks):
-            sock.sendall(blob)
+        for i in range(blocks):
+            sock.sendall(buffers[0][i % len(buffers[0])] if buffers else blob)
         receiver.join()
         elapsed = time.perf_counter() - start
     server.close()
@@ -306,6 +329,11 @@ async def store_figures(
     writers = clients + [
         StoreClient(address, timeout_s=60) for _ in range(args.durable_clients - len(clients))
     ]
+    data_address = (await clients[0].stats())["data_address"]
+    pushers = [
+        StoreClient(address, timeout_s=60, data_address=data_address)
+        for _ in range(args.durable_clients)
+    ]
     try:
         await clients[0].stats()
         # A fresh pool pays its page faults once; rewriting the same keys with other bytes
@@ -323,20 +351,31 @@ async def store_figures(
         )
         await measure("get SSD (promotes)", lambda c, i, r: c.get(_key(i, f"ssd{r}")))
         # The disk's throughput drifts (burst credits, other tenants): each durable pass
-        # runs right after a raw write + fdatasync pass of the same bytes.
-        raw, durable = out["raw write + fdatasync"], out["durable put (group commit)"] = [], []
+        # runs right after a raw write + fdatasync pass of the same bytes (the data-port
+        # pass first, then the gRPC one).
+        raw, durable, durable_grpc = (
+            out["raw write + fdatasync"],
+            out[DURABLE],
+            out[DURABLE_GRPC],
+        ) = [], [], []
         for r in range(args.repeat):
             raw_s = await asyncio.to_thread(raw_fsync_write, scratch, n, size)
             raw.append(_gbps(n * size, raw_s))
-            seconds = await _timed(
-                writers[: args.durable_clients],
-                n,
-                lambda c, i, r=r: c.put(_key(i, f"durable{r}"), payload(i), durable=True),
-            )
-            durable.append(_gbps(n * size, seconds))
+            for figure, group, chain in (
+                (durable, pushers, "durable"),
+                (durable_grpc, writers[: args.durable_clients], "durable-grpc"),
+            ):
+                seconds = await _timed(
+                    group,
+                    n,
+                    lambda c, i, r=r, chain=chain: c.put(
+                        _key(i, f"{chain}{r}"), payload(i), durable=True
+                    ),
+                )
+                figure.append(_gbps(n * size, seconds))
             progress.advance()
     finally:
-        for client in writers:
+        for client in writers + pushers:
             await client.close()
     return out
 
@@ -384,13 +423,22 @@ async def peer_figures(
     source = StoreClient(a, timeout_s=60)
     dest = [StoreClient(b, timeout_s=60) for _ in range(args.clients)]
     paired = "raw TCP loopback (paired)"
+    distinct = "raw TCP loopback, distinct buffers (paired)"
+    buffers = distinct_buffers(min(n, 128), size)
     copy, pull, copy_grpc = (
         "peer fetch: transfer Copy A->B",
         "peer fetch: Store.Pull on B (no transfer service)",
         "peer fetch: transfer Copy A->B (gRPC path)",
     )
     remote_get = "peer fetch: get(allow_remote) on B"
-    out: dict[str, list[float]] = {paired: [], copy: [], pull: [], copy_grpc: [], remote_get: []}
+    out: dict[str, list[float]] = {
+        paired: [],
+        distinct: [],
+        copy: [],
+        pull: [],
+        copy_grpc: [],
+        remote_get: [],
+    }
 
     def get_remote(client, i: int):
         return client.get(keys[i], allow_remote=True)
@@ -432,6 +480,8 @@ async def peer_figures(
             if r:
                 raw_s = await asyncio.to_thread(raw_tcp, n, size)
                 out[paired].append(_gbps(n * size, raw_s))
+                raw_s = await asyncio.to_thread(raw_tcp, n, size, buffers)
+                out[distinct].append(_gbps(n * size, raw_s))
             for name, measure in (
                 (copy, lambda: run_copy(transfer)),
                 (pull, run_pull),
@@ -567,7 +617,9 @@ BASELINE_OF = {
     "get DRAM": "bare gRPC per-block down",
     "put SSD": "bare gRPC per-block up",
     "get SSD (promotes)": "bare gRPC per-block down",
-    "durable put (group commit)": "raw write + fdatasync",
+    DURABLE: "raw write + fdatasync",
+    DURABLE_GRPC: "raw write + fdatasync",
+    "raw TCP loopback, distinct buffers (paired)": "raw TCP loopback (paired)",
     "peer fetch: transfer Copy A->B": "raw TCP loopback (paired)",
     "peer fetch: Store.Pull on B (no transfer service)": "raw TCP loopback (paired)",
     "peer fetch: transfer Copy A->B (gRPC path)": "raw TCP loopback (paired)",
@@ -576,7 +628,9 @@ BASELINE_OF = {
 
 
 PAIRED = {
-    "durable put (group commit)",
+    DURABLE,
+    DURABLE_GRPC,
+    "raw TCP loopback, distinct buffers (paired)",
     "peer fetch: transfer Copy A->B",
     "peer fetch: Store.Pull on B (no transfer service)",
     "peer fetch: transfer Copy A->B (gRPC path)",

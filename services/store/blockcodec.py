@@ -48,6 +48,9 @@ _STORAGE_DOMAIN = b"quillcache/v1/store-key"
 payload_checksum = xxhash.xxh3_64_intdigest
 """xxh3-64 of a bytes-like object, as an int: the payload checksum of a record."""
 
+payload_hasher = xxhash.xxh3_64
+"""A streaming `payload_checksum`: `update(piece)` in order, then `intdigest()`."""
+
 
 class CorruptBlock(Corrupt):
     """A stored block failed verification; carries the key and size when known."""
@@ -151,6 +154,13 @@ def encode(key: KvBlockKey, payload: bytes | memoryview, digest: int | None = No
     header_digest = xxhash.xxh3_64_intdigest(bytes(fixed[:_CHECKED]) + ident)
     struct.pack_into("<Q", fixed, _CHECKED, header_digest)
     return bytes(fixed) + ident
+
+
+def header_length(key: KvBlockKey) -> int:
+    """The length of `encode(key, ...)`'s header (it does not depend on the payload), so
+    a record buffer can be allocated with the header's room reserved before the
+    payload arrives."""
+    return _FIXED.size + len(encode_identity(key))
 
 
 def encode_record(key: KvBlockKey, payload: bytes | memoryview, digest: int | None = None) -> bytes:

@@ -56,6 +56,9 @@ class StoreConfig:
         100_000, "residency events held for the conductor; on overflow a full resync follows"
     )
     event_batch_max: int = opt(512, "residency events per KvEventBatch")
+    event_linger_s: float = opt(
+        0.02, "how long residency events wait for more to share their KvEventBatch, seconds"
+    )
     rpc_timeout_s: float = opt(10.0, "deadline of calls to the conductor, peers and transfer")
     worker_threads: int = opt(8, "threads for disk and checksum work")
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -79,6 +82,8 @@ class StoreConfig:
             )
         if self.event_queue_max <= 0 or self.event_batch_max <= 0:
             raise InvalidArgument("--event-queue-max and --event-batch-max must be positive")
+        if not 0 <= self.event_linger_s <= 1:
+            raise InvalidArgument("--event-linger-s must be in 0..1")
         if self.rpc_timeout_s <= 0 or self.worker_threads <= 0:
             raise InvalidArgument("--rpc-timeout-s and --worker-threads must be positive")
         if not 1 <= self.pull_streams <= 16:

@@ -30,6 +30,27 @@ Response, per requested block in order (source -> destination)::
     28      M     message (UTF-8)
     28+M    N     payload
 
+Put (a client -> this node; blocks pushed instead of pulled: an engine offloading,
+or any writer that wants a put without gRPC's per-chunk cost)::
+
+    0       4     magic b"QCDP"
+    4       2     protocol version (1)
+    6       2     flags (`FLAG_DURABLE`: acknowledged after the SSD commit)
+    8       4     identity length I (u32)
+    12      1     tier wanted (`TIER_CODES`)
+    13      3     reserved (0)
+    16      8     payload length N (u64)
+    24      8     xxh3-64 of the payload (u64; checked before anything is stored)
+    32      I     identity (`blockcodec.encode_identity`)
+    32+I    N     payload
+
+Each put is answered, in order, by an ack with the block header's layout and magic
+b"QCDA": status, the tier the block landed in, message length, payload length (the
+bytes stored), checksum, then the message. A client may send several puts before
+reading their acks. A put whose header is malformed is answered with its error and
+the connection closed; a put refused for what it asks (capacity, a checksum
+mismatch) is answered with its error and the connection goes on.
+
 A source that cannot parse a request closes the connection. A connection that ends
 inside a block's header or payload loses that block and every later one of the
 request; the destination stores only blocks whose payload arrived whole and matched
@@ -53,10 +74,13 @@ from quillcache_core.errors import (
     NotFound,
 )
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.blockcodec import decode_identity, encode_identity
+from quillcache_store.blockcodec import MAX_IDENTITY_BYTES, decode_identity, encode_identity
 
 REQUEST_MAGIC = b"QCDQ"
 BLOCK_MAGIC = b"QCDB"
+PUT_MAGIC = b"QCDP"
+ACK_MAGIC = b"QCDA"
+FLAG_DURABLE = 1
 VERSION = 1
 MAX_REQUEST_KEYS = 4096
 MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024
@@ -64,6 +88,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 
 REQUEST_HEADER = struct.Struct("<4sHHI")
 BLOCK_HEADER = struct.Struct("<4sBBHIQQ")
+PUT_FIXED = struct.Struct("<BxxxQQ")  # after REQUEST_HEADER: tier, payload length, checksum
 
 STATUS_OK = 0
 STATUS_NOT_FOUND = 1
@@ -130,14 +155,110 @@ def encode_request(keys: list[KvBlockKey]) -> bytes:
 
 def decode_request_header(raw: bytes | memoryview) -> int:
     """The body length of a request header; InvalidArgument if it is not one."""
-    magic, version, _flags, length = REQUEST_HEADER.unpack(raw)
-    if magic != REQUEST_MAGIC:
-        raise InvalidArgument(f"bad request magic {bytes(magic)!r}")
+    kind, _flags, length = decode_frame_header(raw)
+    if kind != REQUEST_MAGIC:
+        raise InvalidArgument(f"bad request magic {kind!r}")
+    return length
+
+
+def decode_frame_header(raw: bytes | memoryview) -> tuple[bytes, int, int]:
+    """(magic, flags, body length) of a pull request or put header; InvalidArgument
+    when it is neither."""
+    magic, version, flags, length = REQUEST_HEADER.unpack(raw)
+    magic = bytes(magic)
+    if magic not in (REQUEST_MAGIC, PUT_MAGIC):
+        raise InvalidArgument(f"bad request magic {magic!r}")
     if version != VERSION:
         raise InvalidArgument(f"unsupported data protocol version {version}")
-    if length > MAX_REQUEST_BODY_BYTES:
+    limit = MAX_REQUEST_BODY_BYTES if magic == REQUEST_MAGIC else MAX_IDENTITY_BYTES
+    if length > limit:
         raise InvalidArgument(f"request body of {length} bytes exceeds the limit")
-    return length
+    return magic, flags, length
+
+
+# --- put ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PutHeader:
+    """What a put asks for; its identity (`identity_len` bytes) and payload follow."""
+
+    durable: bool
+    tier: CacheTier
+    identity_len: int
+    payload_len: int
+    checksum: int
+
+
+def encode_put(
+    key: KvBlockKey, payload_len: int, checksum: int, *, tier: CacheTier, durable: bool
+) -> bytes:
+    """Header and identity of a put; the payload follows them."""
+    if tier not in TIER_CODES:
+        raise InvalidArgument(f"a store node holds cpu_dram or local_ssd, not {tier}")
+    if payload_len <= 0:
+        raise InvalidArgument("cannot store an empty block")
+    ident = encode_identity(key)
+    flags = FLAG_DURABLE if durable else 0
+    return (
+        REQUEST_HEADER.pack(PUT_MAGIC, VERSION, flags, len(ident))
+        + PUT_FIXED.pack(TIER_CODES[tier], payload_len, checksum)
+        + ident
+    )
+
+
+def decode_put_fixed(
+    flags: int, identity_len: int, raw: bytes | memoryview, max_payload_bytes: int
+) -> PutHeader:
+    """The put described by its frame header's flags and length and the PUT_FIXED part;
+    InvalidArgument when it is malformed or asks too much."""
+    tier, payload_len, checksum = PUT_FIXED.unpack(raw)
+    if flags & ~FLAG_DURABLE:
+        raise InvalidArgument(f"unknown put flags {flags:#x}")
+    if tier not in TIERS_BY_CODE:
+        raise InvalidArgument(f"unknown tier code {tier}")
+    if not 0 < identity_len <= MAX_IDENTITY_BYTES:
+        raise InvalidArgument(f"put identity of {identity_len} bytes")
+    if not 0 < payload_len <= max_payload_bytes:
+        raise InvalidArgument(
+            f"block of {payload_len} bytes: a put carries 1..{max_payload_bytes} bytes"
+        )
+    return PutHeader(
+        bool(flags & FLAG_DURABLE), TIERS_BY_CODE[tier], identity_len, payload_len, checksum
+    )
+
+
+def decode_put_identity(raw: bytes | memoryview) -> KvBlockKey:
+    try:
+        return decode_identity(raw)
+    except Corrupt as exc:
+        raise InvalidArgument(f"malformed key in put: {exc}") from None
+
+
+def encode_ack(tier: CacheTier, payload_len: int, checksum: int) -> bytes:
+    """The ack of a stored block."""
+    return BLOCK_HEADER.pack(ACK_MAGIC, STATUS_OK, TIER_CODES[tier], 0, 0, payload_len, checksum)
+
+
+def encode_ack_error(status: int, message: str) -> bytes:
+    """Header and message of a put that stored nothing."""
+    text = message.encode("utf-8")[:MAX_MESSAGE_BYTES]
+    return BLOCK_HEADER.pack(ACK_MAGIC, status, 0, 0, len(text), 0, 0) + text
+
+
+def decode_ack(raw: bytes | memoryview) -> BlockHeader:
+    """Parse an ack (its message, `message_len` bytes, follows); InvalidArgument if it
+    is not one."""
+    magic, status, tier, _res, msg_len, payload_len, checksum = BLOCK_HEADER.unpack(raw)
+    if magic != ACK_MAGIC:
+        raise InvalidArgument(f"bad ack magic {bytes(magic)!r}")
+    if status not in CODE_NAMES:
+        raise InvalidArgument(f"unknown ack status {status}")
+    if msg_len > MAX_MESSAGE_BYTES:
+        raise InvalidArgument(f"ack message of {msg_len} bytes exceeds the limit")
+    if status == STATUS_OK and tier not in TIERS_BY_CODE:
+        raise InvalidArgument(f"ok ack with tier {tier}")
+    return BlockHeader(status, TIERS_BY_CODE.get(tier), msg_len, payload_len, checksum)
 
 
 def decode_request_body(body: bytes | memoryview) -> list[KvBlockKey]:

@@ -32,7 +32,7 @@ from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store import dataproto
 from quillcache_store.blockcodec import CorruptBlock, payload_checksum
-from quillcache_store.dataserver import recv_exactly, tune_socket
+from quillcache_store.dataserver import is_timeout, recv_exactly, tune_socket
 from quillcache_store.tiers import TieredStore
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,7 @@ class BlockPuller:
             )
         except OSError as exc:
             raise NodeUnavailable(f"cannot connect to data port {address}: {exc}") from None
-        tune_socket(sock)
-        sock.settimeout(self.io_timeout_s)
+        tune_socket(sock, self.io_timeout_s)
         return sock
 
     def _take(self, address: str) -> tuple[socket.socket, bool]:
@@ -228,13 +227,13 @@ class BlockPuller:
     def _recv(self, sock, view, key, i) -> int:
         try:
             return recv_exactly(sock, view)
-        except TimeoutError:
-            raise _Lost(
-                f"source sent nothing for {self.io_timeout_s:g}s while block {i} "
-                f"({key.block_hash}) was due; nothing of it stored",
-                i,
-            ) from None
         except OSError as exc:
+            if is_timeout(exc):
+                raise _Lost(
+                    f"source sent nothing for {self.io_timeout_s:g}s while block {i} "
+                    f"({key.block_hash}) was due; nothing of it stored",
+                    i,
+                ) from None
             raise _Lost(
                 f"connection to the source failed during block {i} ({key.block_hash}): "
                 f"{exc}; nothing of it stored",

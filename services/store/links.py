@@ -22,7 +22,7 @@ from quillcache.v1 import (
 )
 from quillcache_core.errors import NodeUnavailable, NotFound
 from quillcache_core.model import KvBlockKey
-from quillcache_core.registry import NodeRegistry
+from quillcache_core.registry import NodeRecord, NodeRegistry
 from quillcache_core.rpc import error_from_status
 from quillcache_store import wire
 from quillcache_store.client import CHANNEL_OPTIONS, StoreClient, domain_error
@@ -175,6 +175,12 @@ class TransferLink:
 DATA_ADDRESS_TTL_S = 5.0
 
 
+def record_data_address(record: NodeRecord) -> str:
+    """A store record's block-data address ("" if it has none). Records written by
+    nodes older than the `data_address` field carry it in `extra`."""
+    return record.data_address or str(record.extra.get("data_address") or "")
+
+
 class PeerStores:
     """StoreClients to peer nodes, by address (resolved through the registry), and
     their block-data addresses."""
@@ -197,7 +203,7 @@ class PeerStores:
         if self.registry is not None:
             record = await self.registry.get("store", peer.node_id)
             if record is not None:
-                address = str(record.extra.get("data_address") or "")
+                address = record_data_address(record)
         self._data_addresses[peer.node_id] = (address, now)
         return address
 

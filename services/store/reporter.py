@@ -4,7 +4,8 @@
 thread, under a per-key lock, so it only appends to a bounded queue and wakes the
 sender; it never blocks and never does I/O. The sender (`run`, a task on the event
 loop) takes what is queued (up to `max_batch` events), turns it into one KvEventBatch
-(source_kind "store") and hands it to `send`; on failure the same batch is retried with
+(source_kind "store") and hands it to `send`, after lingering `linger_s` for more
+events unless a whole batch is already queued; on failure the same batch is retried with
 backoff (0.1 s doubling to 2 s), so events reach the conductor in the order they
 happened.
 
@@ -67,12 +68,14 @@ class ResidencyReporter:
         *,
         max_queue: int = 100_000,
         max_batch: int = 512,
+        linger_s: float = 0.0,
     ) -> None:
         self.node_id = node_id
         self._send = send
         self._snapshot = snapshot
         self._max_queue = max(1, max_queue)
         self._max_batch = max(1, max_batch)
+        self._linger_s = max(0.0, linger_s)
         self._queue: collections.deque[TierEvent] = collections.deque()
         self._resync = True  # the first thing sent: what this node holds
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -138,6 +141,10 @@ class ResidencyReporter:
             if not self._queue:
                 await self._wake.wait()
                 continue
+            if self._linger_s and len(self._queue) < self._max_batch:
+                # Blocks arrive one by one during a transfer: a short wait turns a call
+                # per block (each costing this loop and the conductor) into one per batch.
+                await asyncio.sleep(self._linger_s)
             events = []
             while self._queue and len(events) < self._max_batch:
                 events.append(self._queue.popleft())

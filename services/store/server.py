@@ -64,6 +64,7 @@ class StoreServer:
             self._snapshot,
             max_queue=config.event_queue_max,
             max_batch=config.event_batch_max,
+            linger_s=config.event_linger_s,
         )
         self.tiered: TieredStore | None = None
         self.pooled: PooledStore | None = None
@@ -133,7 +134,11 @@ class StoreServer:
                 self.tiered, max_block_bytes=cfg.max_block_bytes, io_timeout_s=cfg.rpc_timeout_s
             )
             self.data_server = BlockDataServer(
-                self.tiered, cfg.host, cfg.data_port, io_timeout_s=cfg.rpc_timeout_s
+                self.tiered,
+                cfg.host,
+                cfg.data_port,
+                io_timeout_s=cfg.rpc_timeout_s,
+                max_block_bytes=cfg.max_block_bytes,
             )
             self.data_port = self.data_server.start()
         self.pooled = PooledStore(
@@ -188,12 +193,11 @@ class StoreServer:
                 capacity_bytes=cfg.dram_capacity_bytes + cfg.ssd_capacity_bytes,
                 version=VERSION,
                 start_time_s=time.time(),
+                data_address=self.data_address,
                 extra={
                     "dram_capacity_bytes": cfg.dram_capacity_bytes,
                     "ssd_capacity_bytes": cfg.ssd_capacity_bytes,
                     "metrics_url": f"http://{cfg.advertised_host}:{self.metrics_port}",
-                    # The block data path (no NodeRecord field of its own yet).
-                    **({"data_address": self.data_address} if self.data_address else {}),
                 },
             ),
             cfg.lease_ttl_s,
@@ -342,6 +346,21 @@ class StoreServer:
                 "store_data_sent_bytes_total",
                 "bytes sent to peers on the block data port",
                 read=lambda: [((), data_server.stats()["bytes_sent"])],
+            )
+            m.gauge(
+                "store_data_put_blocks_total",
+                "blocks clients put through the block data port",
+                read=lambda: [((), data_server.stats()["blocks_received"])],
+            )
+            m.gauge(
+                "store_data_put_bytes_total",
+                "bytes clients put through the block data port",
+                read=lambda: [((), data_server.stats()["bytes_received"])],
+            )
+            m.gauge(
+                "store_data_puts_refused_total",
+                "puts on the block data port that stored nothing",
+                read=lambda: [((), data_server.stats()["puts_refused"])],
             )
             m.gauge(
                 "store_data_pulled_blocks_total",

@@ -374,6 +374,38 @@ class SsdTier:
         blocks, as `put` does.
         """
         prepared = [self._prepare(key, payload, digest) for key, payload, digest in items]
+        return self._put_prepared(prepared, durable)
+
+    def put_record(
+        self,
+        key: KvBlockKey,
+        record: bytearray,
+        header_len: int,
+        digest: int,
+        *,
+        durable: bool = True,
+    ) -> list[tuple[KvBlockKey, int]]:
+        """Store a block whose payload already sits in `record[header_len:]`, with
+        `header_len` = `blockcodec.header_length(key)` bytes reserved in front: the
+        header is written in place and `record` itself is queued (no copy of the
+        payload). `digest` must be the payload's checksum, already verified by the
+        caller. `record` belongs to the tier from here on. Otherwise as `put`."""
+        payload = memoryview(record)[header_len:]
+        try:
+            item = self._prepare(key, payload, digest)
+        finally:
+            payload.release()
+        if len(item.header) != header_len:
+            raise InvalidArgument(
+                f"record of block {key.block_hash} reserves {header_len} header bytes, "
+                f"its header takes {len(item.header)}"
+            )
+        record[:header_len] = item.header
+        item.view = None
+        item.record = record
+        return self._put_prepared([item], durable)
+
+    def _put_prepared(self, prepared: list[_Prepared], durable: bool):
         waits: list[_Op] = []
         todo: list[_Prepared] = []
         with self._lock:
@@ -394,7 +426,8 @@ class SsdTier:
         if todo:
             try:
                 for item in todo:
-                    item.record = b"".join((item.header, item.view))  # the one copy
+                    if item.record is None:
+                        item.record = b"".join((item.header, item.view))  # the one copy
                     item.view = None
             finally:
                 with self._cond:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import CapacityExceeded, Corrupt, InvalidArgument, NotFound
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.blockcodec import CorruptBlock, payload_checksum
+from quillcache_store.blockcodec import CorruptBlock, header_length, payload_checksum
 from quillcache_store.dram import DramTier, Reservation
 from quillcache_store.ssd import SsdTier
 
@@ -115,15 +115,29 @@ class TieredStore:
                 f"({checksum:016x} sent, {digest:016x} computed)",
                 key,
             )
+        return self._place(key, view, digest, durable=durable, tier=tier)
+
+    def _place(
+        self,
+        key: KvBlockKey,
+        view: memoryview,
+        digest: int,
+        *,
+        durable: bool,
+        tier: CacheTier,
+        record: tuple[bytearray, int] | None = None,
+    ) -> CacheTier:
+        """`put` of a verified payload. With `record` (a buffer and its header length,
+        `view` being the payload inside it) the SSD tier stores that buffer as is."""
         with self._stripe(key):
             if tier is CacheTier.LOCAL_SSD:
-                self._put_ssd(key, view, digest)
+                self._put_ssd(key, view, digest, record)
                 held = self.dram.info(key)
                 if held is not None and held[1] != digest and self.dram.delete(key):
                     self._emit(REMOVED, key, CacheTier.CPU_DRAM, held[0])
                 return CacheTier.LOCAL_SSD
             if durable:
-                self._put_ssd(key, view, digest)
+                self._put_ssd(key, view, digest, record)
             else:
                 held = self.ssd.info(key)
                 if held is not None and held[1] != digest and self.ssd.delete(key):
@@ -135,7 +149,7 @@ class TieredStore:
                     self._dram_fallbacks += 1
                 log.debug("block %s goes to SSD: %s", key.block_hash, exc)
                 if not durable:
-                    self._put_ssd(key, view, digest)
+                    self._put_ssd(key, view, digest, record)
                 return CacheTier.LOCAL_SSD
             except Exception:
                 if not durable:
@@ -145,10 +159,19 @@ class TieredStore:
                 return CacheTier.LOCAL_SSD
             return CacheTier.CPU_DRAM
 
-    def _put_ssd(self, key: KvBlockKey, view: memoryview, digest: int) -> None:
+    def _put_ssd(
+        self,
+        key: KvBlockKey,
+        view: memoryview,
+        digest: int,
+        record: tuple[bytearray, int] | None = None,
+    ) -> None:
         """Write to SSD, acknowledged after commit; emits evictions and the store."""
         already = self.ssd.info(key) == (view.nbytes, digest)
-        evicted = self.ssd.put(key, view, checksum=digest, durable=True)
+        if record is not None:
+            evicted = self.ssd.put_record(key, record[0], record[1], digest, durable=True)
+        else:
+            evicted = self.ssd.put(key, view, checksum=digest, durable=True)
         self._report_ssd_evictions(evicted)
         if not already:
             self._emit(STORED, key, CacheTier.LOCAL_SSD, view.nbytes)
@@ -169,8 +192,9 @@ class TieredStore:
         Corrupt on a mismatch), or raise; it is called exactly once unless an error is
         raised first (the caller then still owns the unread bytes). Into DRAM (the
         default) `fill` writes straight into a pooled buffer: one copy of the bytes.
-        For the SSD tier, durable puts, and blocks DRAM cannot hold, it fills a
-        scratch buffer that `put` then stores. If `fill` raises, nothing is stored and
+        For the SSD tier and durable puts it fills an SSD record buffer (header room
+        reserved) that the SSD tier stores as it is, copied to DRAM after the commit
+        for a durable DRAM put; for blocks DRAM cannot hold, a scratch buffer. If `fill` raises, nothing is stored and
         a block already held under the key is left as it was.
         """
         if tier not in (CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD):
@@ -178,13 +202,20 @@ class TieredStore:
         if nbytes <= 0:
             raise InvalidArgument(f"block size must be positive, got {nbytes}")
 
-        def via_scratch() -> CacheTier:
-            scratch = memoryview(bytearray(nbytes))
-            fill(scratch)
-            return self.put(key, scratch, durable=durable, tier=tier, checksum=checksum)
+        def via_record() -> CacheTier:
+            # The bytes land in an SSD record buffer with its header's room reserved,
+            # so the SSD tier stores that very buffer (no joining copy); `fill` has
+            # verified them.
+            header_len = header_length(key)
+            record = bytearray(header_len + nbytes)
+            payload = memoryview(record)[header_len:]
+            fill(payload)
+            return self._place(
+                key, payload, checksum, durable=durable, tier=tier, record=(record, header_len)
+            )
 
         if tier is CacheTier.LOCAL_SSD or durable:
-            return via_scratch()
+            return via_record()
         with self._stripe(key):
             if self.dram.refresh(key, nbytes, checksum):
                 fill(memoryview(bytearray(nbytes)))  # the same bytes: read and verify them

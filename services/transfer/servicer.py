@@ -11,6 +11,7 @@ from quillcache_core.registry import NodeRegistry
 from quillcache_core.rpc import stream_errors
 from quillcache_store import wire
 from quillcache_store.client import StoreClient
+from quillcache_store.links import record_data_address
 from quillcache_transfer.config import TransferConfig
 from quillcache_transfer.mover import Progress, TransferOptions, TransferStats, run_transfer
 
@@ -62,7 +63,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         record = await self.registry.get("store", node_id)
         if record is None or not record.address:
             raise NotFound(f"store node {node_id!r} is not registered")
-        data_address = str(record.extra.get("data_address") or "")
+        data_address = record_data_address(record)
         client = self._clients.get(record.address)
         if client is None:
             client = StoreClient(
@@ -82,8 +83,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
 
         async def resolve() -> str:
             record = await self.registry.get("store", node_id)
-            if record is not None and record.extra.get("data_address"):
-                last[0] = str(record.extra["data_address"])
+            if record is not None and record_data_address(record):
+                last[0] = record_data_address(record)
             return last[0]
 
         return resolve

@@ -358,6 +358,40 @@ def test_compose_addresses_point_at_the_right_services() -> None:
     assert "${QC_ACME_API_KEY" in services["gateway"]["environment"]["QC_API_KEYS"]
 
 
+def test_compose_stores_serve_a_fixed_reachable_data_port() -> None:
+    """Peers pull blocks from a store's data port at the address it registers in etcd:
+    a fixed port, exposed on the compose network, under the service's own name."""
+    services = load_compose()["services"]
+    for name, command in COMPOSE_SERVICES.items():
+        if command != "store":
+            continue
+        env = compose_env(services[name])
+        port = env["QC_DATA_PORT"]
+        assert port.isdigit() and int(port) > 0, name
+        assert port != env["QC_PORT"] and port != env["QC_METRICS_PORT"], name
+        assert port in [str(p) for p in services[name].get("expose", [])], name
+        assert env["QC_ADVERTISE_HOST"] == name
+
+
+def test_k8s_stores_serve_a_fixed_data_port_on_their_service(k8s_objects: list[dict]) -> None:
+    services = by_kind(k8s_objects, "Service")
+    found = False
+    for name, workload, container in containers(k8s_objects):
+        if qc_command(container) != "store":
+            continue
+        found = True
+        env = container_env(k8s_objects, container)
+        port = int(env["QC_DATA_PORT"])
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["data"] == port, name
+        governing = services[workload["spec"]["serviceName"]]
+        by_port = {p["port"]: p for p in governing["spec"]["ports"]}
+        assert by_port[port]["targetPort"] in ("data", port), name
+        # Registered before it is ready: its DNS name must resolve from the start.
+        assert governing["spec"].get("publishNotReadyAddresses") is True
+    assert found
+
+
 def test_compose_volumes_hold_the_data_dirs() -> None:
     compose = load_compose()
     declared = set(compose["volumes"])
@@ -557,7 +591,12 @@ def test_k8s_addresses_point_at_the_right_services(k8s_objects: list[dict]) -> N
         if "QC_CONDUCTOR" in env:
             assert env["QC_CONDUCTOR"] == "conductor:50051", name
             service_port(*env["QC_CONDUCTOR"].split(":"))
-        if "QC_ADVERTISE_HOST" in flag_envs(command):
+        if command == "store":
+            # Its stable pod DNS name under its headless Service (for peers' data pulls).
+            host = env.get("QC_ADVERTISE_HOST")
+            assert host == "$(QC_NODE_ID).store", name
+            assert service_port(host, env["QC_DATA_PORT"])["spec"]["clusterIP"] == "None"
+        elif "QC_ADVERTISE_HOST" in flag_envs(command):
             assert env.get("QC_ADVERTISE_HOST") == "$(POD_IP)", name
         if command == "sim-engine":
             host, port = env["QC_STORE"].split(":")

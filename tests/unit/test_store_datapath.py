@@ -1,5 +1,6 @@
-"""The block data path's pure parts and its landing in the tiers: framing, and
-`TieredStore.put_filled` writing straight into a pooled DRAM buffer, all or nothing."""
+"""The block data path's pure parts and its landing in the tiers: framing (pulls and
+puts), `TieredStore.put_filled` writing straight into a pooled DRAM buffer or an SSD
+record buffer, all or nothing, and a store record's data address."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_a_failed_fill_stores_nothing_and_keeps_the_older_copy(store):
     assert store.dram.stats()["buffer_reuses"] == reuses + 1
 
 
-def test_durable_and_ssd_fills_go_through_a_scratch_buffer(store):
+def test_durable_and_ssd_fills_go_through_an_ssd_record_buffer(store):
     data = b"s" * (MIB // 2)
     digest = payload_checksum(data)
     assert store.put_filled(key(0), len(data), digest, _filler(data), durable=True) in (
@@ -117,3 +118,79 @@ def _raise(exc: BaseException):
         raise exc
 
     return fill
+
+
+def test_put_frames_round_trip_and_refuse_nonsense():
+    k = key(3)
+    raw = dataproto.encode_put(k, 1234, 0xABCD, tier=CacheTier.LOCAL_SSD, durable=True)
+    kind, flags, length = dataproto.decode_frame_header(raw[: dataproto.REQUEST_HEADER.size])
+    assert kind == dataproto.PUT_MAGIC
+    fixed_end = dataproto.REQUEST_HEADER.size + dataproto.PUT_FIXED.size
+    put = dataproto.decode_put_fixed(
+        flags, length, raw[dataproto.REQUEST_HEADER.size : fixed_end], 4096
+    )
+    assert put == dataproto.PutHeader(True, CacheTier.LOCAL_SSD, length, 1234, 0xABCD)
+    assert dataproto.decode_put_identity(raw[fixed_end:]) == k
+    # A pull request header is still a pull request; a put is not one.
+    with pytest.raises(InvalidArgument):
+        dataproto.decode_request_header(raw[: dataproto.REQUEST_HEADER.size])
+    fixed = raw[dataproto.REQUEST_HEADER.size : fixed_end]
+    with pytest.raises(InvalidArgument, match="exceeds|1..100"):
+        dataproto.decode_put_fixed(flags, length, fixed, 100)  # too large
+    with pytest.raises(InvalidArgument, match="flags"):
+        dataproto.decode_put_fixed(flags | 4, length, fixed, 4096)
+    with pytest.raises(InvalidArgument, match="tier"):
+        dataproto.decode_put_fixed(flags, length, b"\x09" + fixed[1:], 4096)
+    with pytest.raises(InvalidArgument, match="identity"):
+        dataproto.decode_put_fixed(flags, 0, fixed, 4096)
+    with pytest.raises(InvalidArgument, match="malformed key"):
+        dataproto.decode_put_identity(b"\x93\x01\x02\x03")
+    with pytest.raises(InvalidArgument):
+        dataproto.encode_put(k, 0, 1, tier=CacheTier.CPU_DRAM, durable=False)
+
+
+def test_acks_round_trip_and_refuse_nonsense():
+    ok = dataproto.decode_ack(dataproto.encode_ack(CacheTier.CPU_DRAM, 77, 0x55))
+    assert (ok.status, ok.tier, ok.payload_len, ok.checksum) == (
+        dataproto.STATUS_OK,
+        CacheTier.CPU_DRAM,
+        77,
+        0x55,
+    )
+    raw = dataproto.encode_ack_error(dataproto.STATUS_DATA_LOSS, "bad bytes")
+    err = dataproto.decode_ack(raw[: dataproto.BLOCK_HEADER.size])
+    assert err.status == dataproto.STATUS_DATA_LOSS and err.message_len == len("bad bytes")
+    assert isinstance(dataproto.error_of(err.status, "x"), Corrupt)
+    with pytest.raises(InvalidArgument, match="magic"):  # a pull's block header is no ack
+        dataproto.decode_ack(dataproto.encode_block_header(CacheTier.CPU_DRAM, 1, 1))
+
+
+def test_an_ssd_record_buffer_is_stored_as_it_is(store):
+    from quillcache_store.blockcodec import header_length
+
+    data = bytes(range(256)) * 1024
+    digest = payload_checksum(data)
+    n = header_length(key(5))
+    record = bytearray(n + len(data))
+    record[n:] = data
+    assert store.ssd.put_record(key(5), record, n, digest) == []
+    assert bytes(store.ssd.get(key(5))[0]) == data
+    assert store.ssd.info(key(5)) == (len(data), digest)
+    with pytest.raises(InvalidArgument, match="reserves"):
+        store.ssd.put_record(key(6), bytearray(len(data) + n + 1), n + 1, digest)
+
+
+def test_a_record_carries_its_data_address_and_old_records_still_resolve():
+    from quillcache_core.registry import NodeRecord
+    from quillcache_store.links import record_data_address
+
+    rec = NodeRecord("store", "s1", "h:1", "", data_address="h:7100")
+    back = NodeRecord.from_json("store", "s1", rec.to_json())
+    assert back.data_address == "h:7100" and "data_address" not in back.extra
+    assert record_data_address(back) == "h:7100"
+    # A node older than the field put it among the extras.
+    old = NodeRecord("store", "s2", "h:2", "", extra={"data_address": "h:7200"})
+    assert old.data_address == "" and record_data_address(old) == "h:7200"
+    assert record_data_address(NodeRecord("store", "s3", "h:3", "")) == ""
+    with pytest.raises(InvalidArgument):
+        NodeRecord.from_json("store", "s4", b'{"data_address": 7}')

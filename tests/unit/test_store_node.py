@@ -158,6 +158,35 @@ def test_reporter_resyncs_first_then_sends_in_order_and_retries():
     assert all(len(b.events) <= 2 for b in sent)
 
 
+def test_reporter_lingers_so_trickling_events_share_a_batch():
+    """Events offered one by one (a pull stores a block every ~ms) go out together
+    when the reporter lingers; without lingering each would be a call of its own."""
+    sent: list[conductor_pb2.KvEventBatch] = []
+
+    async def send(batch):
+        sent.append(batch)
+
+    async def scenario(reporter):
+        task = asyncio.create_task(reporter.run())
+        while reporter.resyncs == 0 or reporter.pending or not sent:
+            await asyncio.sleep(0.001)
+        sent.clear()
+        for i in range(1, 9):
+            reporter.offer(_stored(i))
+            await asyncio.sleep(0.002)
+        while reporter.pending or reporter.events_sent < 9:
+            await asyncio.sleep(0.001)
+        task.cancel()
+
+    lingering = ResidencyReporter("n1", send, list, linger_s=1.0)
+    asyncio.run(asyncio.wait_for(scenario(lingering), 10))
+    assert [len(b.events) for b in sent] == [8]
+    sent.clear()
+    eager = ResidencyReporter("n1", send, list, linger_s=0.0)
+    asyncio.run(asyncio.wait_for(scenario(eager), 10))
+    assert len(sent) > 1 and sum(len(b.events) for b in sent) == 8
+
+
 def test_reporter_overflow_drops_the_queue_and_resyncs():
     held = [_stored(0), _stored(1)]
     sent: list[conductor_pb2.KvEventBatch] = []

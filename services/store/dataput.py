@@ -1,0 +1,159 @@
+"""Put blocks through a store node's block-data port (raw TCP, framing in `dataproto`).
+
+`BlockPusher.put(address, key, payload, ...)` sends one PUT frame (header, identity,
+payload handed to the kernel with `sendmsg`, no copy in Python) and waits for its ack:
+the tier the block landed in, or the store's error as a domain exception (NotFound,
+Corrupt, CapacityExceeded, InvalidArgument...). A durable put is acknowledged after
+the store's SSD commit, so concurrent puts (one connection each) share commits.
+
+Not retried (a put is not idempotent under eviction). A connection that fails before
+any of the ack arrived is reported as NodeUnavailable; whether the block was stored is
+then unknown. Idle connections are kept per address (a few) and reused; a reused one
+that turns out closed before anything was sent is replaced once (the store may have
+restarted).
+
+Blocking: call from a worker thread (`StoreClient` does). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from quillcache_core.errors import InvalidArgument, NodeUnavailable
+from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_store import dataproto
+from quillcache_store.blockcodec import payload_checksum
+from quillcache_store.dataserver import is_timeout, recv_exactly, send_parts, tune_socket
+
+_IDLE_PER_ADDRESS = 8
+
+
+class BlockPusher:
+    """Puts blocks on stores' data ports. See the module docstring."""
+
+    def __init__(self, *, io_timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> None:
+        self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._closed = False
+
+    def _connect(self, address: str) -> socket.socket:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"data address {address!r} is not host:port")
+        try:
+            sock = socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=self.connect_timeout_s
+            )
+        except OSError as exc:
+            raise NodeUnavailable(f"cannot connect to data port {address}: {exc}") from None
+        tune_socket(sock, self.io_timeout_s)
+        return sock
+
+    def _take(self, address: str) -> tuple[socket.socket, bool]:
+        with self._lock:
+            if self._closed:
+                raise NodeUnavailable("the block pusher is closed")
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop(), True
+        return self._connect(address), False
+
+    def _give_back(self, address: str, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if not self._closed and len(idle) < _IDLE_PER_ADDRESS:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks = [s for idle in self._idle.values() for s in idle]
+            self._idle.clear()
+        for sock in socks:
+            sock.close()
+
+    def put(
+        self,
+        address: str,
+        key: KvBlockKey,
+        payload: bytes | bytearray | memoryview,
+        *,
+        durable: bool = False,
+        tier: CacheTier = CacheTier.CPU_DRAM,
+        checksum: int | None = None,
+    ) -> CacheTier:
+        """Store `payload` under `key` on the node whose data port is `address`; returns
+        the tier it landed in. `checksum` (xxh3-64) is computed when not given."""
+        view = memoryview(payload)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if checksum is None:
+            checksum = payload_checksum(view)
+        header = dataproto.encode_put(key, view.nbytes, checksum, tier=tier, durable=durable)
+        for attempt in (0, 1):
+            sock, reused = self._take(address)
+            try:
+                ack, message = self._exchange(sock, header, view, address)
+            except _Stale:
+                sock.close()
+                if reused and attempt == 0:
+                    continue
+                raise NodeUnavailable(f"data port {address} closed the connection") from None
+            except BaseException:
+                sock.close()
+                raise
+            if ack.status == dataproto.STATUS_INVALID_ARGUMENT:
+                sock.close()  # the store drops the connection after a malformed put
+            else:
+                self._give_back(address, sock)
+            if ack.status != dataproto.STATUS_OK:
+                raise dataproto.error_of(ack.status, message or "put refused")
+            if ack.checksum != checksum or ack.payload_len != view.nbytes:
+                raise NodeUnavailable(f"data port {address} acknowledged another block")
+            return ack.tier
+        raise AssertionError("unreachable")
+
+    def _exchange(self, sock, header: bytes, view: memoryview, address: str):
+        """Send one put and read its ack: (header, message)."""
+        send_failed = False
+        try:
+            send_parts(sock, [header, view])
+        except OSError as exc:
+            if is_timeout(exc):
+                raise NodeUnavailable(f"data port {address}: send timed out") from None
+            send_failed = True  # the store may have refused the put and closed: read why
+        head = memoryview(bytearray(dataproto.BLOCK_HEADER.size))
+        try:
+            got = recv_exactly(sock, head)
+        except OSError as exc:
+            if send_failed:
+                raise _Stale() from None
+            if is_timeout(exc):
+                raise NodeUnavailable(
+                    f"data port {address} sent no ack for {self.io_timeout_s:g}s"
+                ) from None
+            raise NodeUnavailable(f"data port {address}: {exc}") from None
+        if got == 0:
+            raise _Stale()
+        if got < head.nbytes:
+            raise NodeUnavailable(f"data port {address} closed the connection inside an ack")
+        ack = dataproto.decode_ack(head)
+        message = ""
+        if ack.message_len:
+            text = memoryview(bytearray(ack.message_len))
+            if recv_exactly(sock, text) < ack.message_len:
+                raise NodeUnavailable(f"data port {address} closed the connection inside an ack")
+            message = bytes(text).decode("utf-8", "replace")
+        return ack, message
+
+
+class _Stale(Exception):
+    """The connection was closed before the ack began (an idle one the store dropped)."""
+
+
+__all__ = ["BlockPusher"]

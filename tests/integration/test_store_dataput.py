@@ -1,0 +1,205 @@
+"""Puts through a real store process's block-data port (raw TCP): the bytes land
+byte-identical in the tier asked for, a durable put survives SIGKILL once
+acknowledged, bad bytes are refused with the stream kept in step, a malformed put
+closes the connection, and the store registers its data port as a record field."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+
+import pytest
+
+from quillcache_core.errors import Corrupt, InvalidArgument, NotFound
+from quillcache_core.model import CacheTier
+from quillcache_core.registry import EtcdRegistry
+from quillcache_store import dataproto
+from quillcache_store.blockcodec import payload_checksum
+from quillcache_store.client import StoreClient
+from quillcache_store.dataserver import recv_exactly
+from tests.support.stores import MIB, SHAPES, Fleet, block_key, kv_payload, run
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def lone_store(tmp_path):
+    """A store with an in-memory registry: no etcd, no conductor."""
+    f = Fleet(None, tmp_path)
+    try:
+        yield f.store(
+            "solo",
+            "--max-block-bytes",
+            str(4 * MIB),
+            registry="memory",
+            dram=32 * MIB,
+            ssd=64 * MIB,
+        )
+    finally:
+        f.stop()
+
+
+def metric(proc, name: str) -> float:
+    with urllib.request.urlopen(proc.metrics_url + "/metrics", timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported by {proc.name}")
+
+
+def _data_address(proc) -> str:
+    async def ask():
+        async with StoreClient(proc.grpc_address) as client:
+            return (await client.stats())["data_address"]
+
+    address = run(ask())
+    assert address == proc.fields["data"]
+    return address
+
+
+def _ack(sock: socket.socket) -> tuple[dataproto.BlockHeader, str]:
+    head = memoryview(bytearray(dataproto.BLOCK_HEADER.size))
+    assert recv_exactly(sock, head) == head.nbytes
+    ack = dataproto.decode_ack(head)
+    text = memoryview(bytearray(ack.message_len))
+    assert recv_exactly(sock, text) == ack.message_len
+    return ack, bytes(text).decode()
+
+
+def test_data_port_puts_land_byte_identical_in_the_tier_asked_for(lone_store):
+    data = _data_address(lone_store)
+    payloads = [kv_payload(900 + i, SHAPES["0.5MiB"]) for i in range(6)]
+    keys = [block_key(i, chain="push") for i in range(6)]
+
+    async def scenario():
+        async with (
+            StoreClient(lone_store.grpc_address, data_address=data) as pusher,
+            StoreClient(lone_store.grpc_address) as reader,
+        ):
+            landed = [
+                await pusher.put(keys[0], payloads[0]),
+                await pusher.put(keys[1], payloads[1], durable=True),
+                await pusher.put(keys[2], payloads[2], tier=CacheTier.LOCAL_SSD),
+            ]
+            # Concurrent durable puts, one connection each, share SSD commits.
+            landed += await asyncio.gather(
+                *(pusher.put(keys[i], payloads[i], durable=True) for i in range(3, 6))
+            )
+            tiers = await reader.exists(keys)
+            back = [(await reader.get(k))[0] for k in keys]
+            with pytest.raises(InvalidArgument):  # over --max-block-bytes: refused
+                await pusher.put(block_key(99, chain="push"), bytes(5 * MIB))
+            again = await pusher.put(keys[0], payloads[0])  # a fresh connection
+            return landed, tiers, back, again, await reader.stats()
+
+    landed, tiers, back, again, stats = run(scenario())
+    assert landed[2] is CacheTier.LOCAL_SSD and tiers[2] is CacheTier.LOCAL_SSD
+    assert all(t is CacheTier.CPU_DRAM for i, t in enumerate(landed) if i != 2)
+    assert back == payloads
+    assert again is CacheTier.CPU_DRAM
+    assert stats["ssd_blocks"] == 5  # the durable ones and the SSD one
+    assert metric(lone_store, "quillcache_store_data_put_blocks_total") == 7
+    assert metric(lone_store, "quillcache_store_data_put_bytes_total") == 7 * len(payloads[0])
+    assert metric(lone_store, "quillcache_store_data_puts_refused_total") == 1
+
+
+def test_acknowledged_data_port_durable_puts_survive_sigkill(lone_store):
+    data = _data_address(lone_store)
+    keys = [block_key(i, chain="pushdur") for i in range(12)]
+    payloads = [kv_payload(300 + i, SHAPES["0.5MiB"]) for i in range(12)]
+
+    async def write():
+        async with StoreClient(lone_store.grpc_address, data_address=data) as client:
+            await asyncio.gather(
+                *(client.put(k, p, durable=True) for k, p in zip(keys, payloads, strict=True))
+            )
+
+    run(write())
+    lone_store.kill()  # SIGKILL: nothing flushed on the way out
+    lone_store.start()
+
+    async def read():
+        async with StoreClient(lone_store.grpc_address) as client:
+            return [(await client.get(k))[0] for k in keys]
+
+    assert run(read()) == payloads
+
+
+def test_bad_bytes_are_refused_and_a_malformed_put_closes_the_connection(lone_store):
+    host, _, port = _data_address(lone_store).rpartition(":")
+    good, bad = kv_payload(41, SHAPES["0.5MiB"]), kv_payload(42, SHAPES["0.5MiB"])
+    k_bad, k_good = block_key(1, chain="raw"), block_key(2, chain="raw")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        # Bytes that do not match the checksum sent: DATA_LOSS, nothing stored...
+        wrong = payload_checksum(bad) ^ 1
+        sock.sendall(
+            dataproto.encode_put(k_bad, len(bad), wrong, tier=CacheTier.CPU_DRAM, durable=True)
+            + bad
+        )
+        ack, message = _ack(sock)
+        assert ack.status == dataproto.STATUS_DATA_LOSS and "checksum" in message
+        # ...and the connection goes on with the next put.
+        checksum = payload_checksum(good)
+        sock.sendall(
+            dataproto.encode_put(
+                k_good, len(good), checksum, tier=CacheTier.CPU_DRAM, durable=False
+            )
+            + good
+        )
+        ack, _ = _ack(sock)
+        assert ack.status == dataproto.STATUS_OK and ack.tier is CacheTier.CPU_DRAM
+        assert (ack.payload_len, ack.checksum) == (len(good), checksum)
+        # An unknown tier code: answered, then the connection is closed.
+        header = bytearray(
+            dataproto.encode_put(
+                k_good, len(good), checksum, tier=CacheTier.CPU_DRAM, durable=False
+            )
+        )
+        header[dataproto.REQUEST_HEADER.size] = 9
+        sock.sendall(bytes(header))
+        ack, message = _ack(sock)
+        assert ack.status == dataproto.STATUS_INVALID_ARGUMENT and "tier" in message
+        assert sock.recv(1) == b""
+
+    async def read():
+        async with StoreClient(lone_store.grpc_address) as client:
+            with pytest.raises(NotFound):
+                await client.get(k_bad)
+            return (await client.get(k_good))[0]
+
+    assert run(read()) == good
+    assert metric(lone_store, "quillcache_store_data_puts_refused_total") == 2
+    assert metric(lone_store, "quillcache_store_data_put_blocks_total") == 1
+
+
+def test_a_changed_payload_is_refused_through_the_client(lone_store):
+    """The client's checksum travels with the put: a payload that differs from it (here
+    a buffer changed between checksum and send, as a racing writer would) is refused."""
+    data = _data_address(lone_store)
+    from quillcache_store.dataput import BlockPusher
+
+    payload = bytearray(kv_payload(7, SHAPES["0.5MiB"]))
+    checksum = payload_checksum(payload)
+    payload[100] ^= 0xFF
+    pusher = BlockPusher(io_timeout_s=10)
+    try:
+        with pytest.raises(Corrupt):
+            pusher.put(data, block_key(7, chain="chg"), payload, checksum=checksum)
+        # The connection stayed usable and was kept.
+        assert pusher.put(data, block_key(8, chain="chg"), payload) is CacheTier.CPU_DRAM
+    finally:
+        pusher.close()
+
+
+def test_the_store_registers_its_data_port_as_a_record_field(fleet):
+    store = fleet.store("store-r")
+
+    async def record():
+        async with EtcdRegistry([fleet.etcd.endpoint], timeout_s=3) as registry:
+            return await registry.get("store", "store-r")
+
+    rec = run(record())
+    assert rec is not None
+    assert rec.data_address == store.fields["data"]
+    assert "data_address" not in rec.extra
