@@ -45,6 +45,7 @@ from quillcache_core.hashing import request_blocks
 from quillcache_core.heap import HeapSettler
 from quillcache_core.index import MemoryIndex
 from quillcache_core.plan_client import PlanClient
+from quillcache_core.plan_port import PlanPortClient
 from quillcache_core.plan_wire import pack_hashes
 from quillcache_core.registry import NodeRecord, open_registry
 
@@ -232,7 +233,12 @@ async def _bench(args, etcd, address, results) -> None:
     # unary and over PlanStream (the gateway's path) ---
     health = health_pb2_grpc.HealthStub(channel)
     plans = PlanClient(channel)
-    progress = Progress("plan latency", 3 * args.plans)
+
+    async def plan_address() -> str:
+        return (await stub.Stats(conductor_pb2.StatsRequest(), timeout=5)).plan_address
+
+    port = PlanPortClient(plan_address)
+    progress = Progress("plan latency", 4 * args.plans)
     base = []
     for _ in range(args.plans):
         t = time.perf_counter()
@@ -242,6 +248,7 @@ async def _bench(args, etcd, address, results) -> None:
     for name, plan_call, finish_call in (
         ("plan_unary", stub.Plan, stub.Finish),
         ("plan", plans.plan, plans.finish),
+        ("plan_port", port.plan, port.finish),
     ):
         lat, inside = [], []
         for req in requests[: args.plans]:
@@ -266,6 +273,7 @@ async def _bench(args, etcd, address, results) -> None:
     for name, plan_call, finish_call in (
         ("plans_per_s_unary", stub.Plan, stub.Finish),
         ("plans_per_s", plans.plan, plans.finish),
+        ("plans_per_s_port", port.plan, port.finish),
     ):
         queue = list(requests[: args.throughput_plans])
         progress = Progress(f"plan throughput ({name})", len(queue))
@@ -288,6 +296,7 @@ async def _bench(args, etcd, address, results) -> None:
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
         results[name] = args.throughput_plans / (time.perf_counter() - t)
     await plans.close()
+    await port.close()
 
     # --- KV events ---
     payloads = _vllm_payloads(args.event_blocks, nprng)
@@ -407,8 +416,10 @@ def _report(args, results) -> None:
     plan, base, unary = results["plan"], results["health_check"], results["plan_unary"]
     inproc, overzmq = results["events_in_process"], results["events_zmq"]
     goals = [
-        ("Plan p99 <= 3 ms", plan["p99_us"] <= 3000),
-        (">= 2,000 plans/s", results["plans_per_s"] >= 2000),
+        ("Plan p99 <= 3 ms (gRPC PlanStream)", plan["p99_us"] <= 3000),
+        (">= 2,000 plans/s (gRPC PlanStream)", results["plans_per_s"] >= 2000),
+        ("Plan p99 <= 3 ms (plan port)", results["plan_port"]["p99_us"] <= 3000),
+        (">= 2,000 plans/s (plan port)", results["plans_per_s_port"] >= 2000),
         (">= 500k block events/s in-process", inproc["block_events_per_s"] >= 500_000),
         (">= 200k block events/s over ZMQ", overzmq["block_events_per_s"] >= 200_000),
     ]
@@ -454,6 +465,18 @@ def _report(args, results) -> None:
                     "",
                 ),
                 (
+                    "Plan p50 (us), plan port",
+                    results["plan_port"]["p50_us"],
+                    base["p50_us"],
+                    results["plan_port"]["p50_us"] / base["p50_us"],
+                ),
+                (
+                    "Plan p99 (us), plan port",
+                    results["plan_port"]["p99_us"],
+                    base["p99_us"],
+                    results["plan_port"]["p99_us"] / base["p99_us"],
+                ),
+                (
                     f"plans/s, {args.concurrency} clients, unary",
                     results["plans_per_s_unary"],
                     1e6 / base["mean_us"],
@@ -464,6 +487,12 @@ def _report(args, results) -> None:
                     results["plans_per_s"],
                     1e6 / base["mean_us"],
                     results["plans_per_s"] / (1e6 / base["mean_us"]),
+                ),
+                (
+                    f"plans/s, {args.concurrency} clients, plan port",
+                    results["plans_per_s_port"],
+                    1e6 / base["mean_us"],
+                    results["plans_per_s_port"] / (1e6 / base["mean_us"]),
                 ),
                 (
                     "block events/s in-process",
@@ -484,7 +513,8 @@ def _report(args, results) -> None:
         "baselines: a gRPC health Check (latency, calls/s); msgpack decoding alone; in-process ingest"
     )
     print(
-        "the Plan goals are judged on PlanStream, the path the gateway uses; unary rows for reference"
+        "the Plan goals are judged over gRPC (PlanStream) as the issue asks, and shown for the "
+        "plan port (the same messages over plain TCP, the gateway's path)"
     )
     for name, met in goals:
         print(f"  goal {name}: {'met' if met else 'NOT met'}")
@@ -500,7 +530,12 @@ def _plot(results, path):
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = {"health": "health_check", "Plan unary": "plan_unary", "PlanStream": "plan"}
+    names = {
+        "health": "health_check",
+        "Plan unary": "plan_unary",
+        "PlanStream": "plan",
+        "plan port": "plan_port",
+    }
     left.bar([n + " p50" for n in names], [results[k]["p50_us"] for k in names.values()])
     left.bar([n + " p99" for n in names], [results[k]["p99_us"] for k in names.values()])
     left.axhline(3000, color="red", linestyle="--", label="p99 goal")

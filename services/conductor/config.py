@@ -14,6 +14,11 @@ class ConductorConfig:
     host: str = opt("127.0.0.1", "address to bind the gRPC and metrics ports on")
     port: int = opt(0, "gRPC port (0 = a free port, printed on the READY line)")
     metrics_port: int = opt(0, "HTTP port for /metrics and /health (0 = a free port)")
+    plan_port: int = opt(
+        0,
+        "TCP port serving PlanStream's messages length-prefixed, the gateway's fast path "
+        "(0 = a free port, -1 = off)",
+    )
     advertise_host: str = opt("", "host other nodes use to reach this conductor ('' = --host)")
     node_id: str = opt("conductor-0", "this conductor's id in the registry")
     registry: str = opt(

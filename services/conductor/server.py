@@ -19,6 +19,7 @@ from quillcache_core.heap import HeapSettler
 from quillcache_core.index import open_index
 from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.model import CostModel
+from quillcache_core.plan_port import PlanPortServer
 from quillcache_core.policies import make_policy
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc import (
@@ -64,6 +65,7 @@ class ConductorServer:
         self._register_metrics()
         self.registry = open_registry(config.registry)
         self.server: grpc.aio.Server | None = None
+        self.plan_port: PlanPortServer | None = None
         self.grpc_port = 0
         self.metrics_port = 0
         self._runner = None
@@ -119,6 +121,16 @@ class ConductorServer:
             read=lambda: [((e,), state.index.worker_block_count(e)) for e in state.engines],
         )
         m.gauge("stores", "live store nodes", read=lambda: [((), len(state.stores))])
+        m.gauge(
+            "plan_port_frames_total",
+            "PlanStream messages answered on the plan port",
+            read=lambda: [((), self.plan_port.frames if self.plan_port else 0)],
+        )
+        m.gauge(
+            "plan_port_rejected_frames_total",
+            "plan-port frames too big or unparsable (their connection was closed)",
+            read=lambda: [((), self.plan_port.rejected_frames if self.plan_port else 0)],
+        )
 
     async def start(self) -> None:
         cfg = self.config
@@ -128,12 +140,14 @@ class ConductorServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        conductor_pb2_grpc.add_ConductorServicer_to_server(
-            ConductorServicer(
-                self.state, self.events, cfg.max_blocks_per_request, cfg.plan_alternatives
-            ),
-            server,
+        servicer = ConductorServicer(
+            self.state, self.events, cfg.max_blocks_per_request, cfg.plan_alternatives
         )
+        conductor_pb2_grpc.add_ConductorServicer_to_server(servicer, server)
+        if cfg.plan_port >= 0:
+            self.plan_port = PlanPortServer(servicer.handle_calls)
+            port = await self.plan_port.start(cfg.host, cfg.plan_port)
+            servicer.plan_address = f"{cfg.advertise_host or cfg.host}:{port}"
         health = add_health_and_reflection(server, [SERVICE_NAME])
         self.grpc_port = await start_server(server, cfg.host, cfg.port)
         self.server = server
@@ -157,7 +171,11 @@ class ConductorServer:
 
     def ready_line(self) -> str:
         host = self.config.host
-        return f"READY conductor grpc={host}:{self.grpc_port} metrics=http://{host}:{self.metrics_port}"
+        plan = f" plan={host}:{self.plan_port.port}" if self.plan_port is not None else ""
+        return (
+            f"READY conductor grpc={host}:{self.grpc_port} "
+            f"metrics=http://{host}:{self.metrics_port}{plan}"
+        )
 
     async def _watch_registry(self) -> None:
         while True:
@@ -210,6 +228,8 @@ class ConductorServer:
         with contextlib.suppress(Exception):
             await self.registry.deregister("conductor", self.config.node_id)
         await self.registry.close()
+        if self.plan_port is not None:
+            await self.plan_port.stop()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self._runner is not None:

@@ -110,6 +110,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     ) -> None:
         self.state = state
         self.alternatives = alternatives
+        # host:port of the plan port, reported by Stats ("" = none).
+        self.plan_address = ""
         self.events = events
         self.max_blocks = max_blocks
 
@@ -281,34 +283,36 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         stream itself ends only when the client closes it.
         """
         async for message in request_iterator:
-            reply = conductor_pb2.PlanStreamResponse()
-            add = reply.results.add
-            for call in message.calls:
-                which = call.WhichOneof("call")
-                try:
-                    if which == "plan":
-                        add(call_id=call.call_id, plan=self.plan(call.plan))
-                    elif which == "finish":
-                        add(call_id=call.call_id, finish=self.finish(call.finish))
-                    else:
-                        raise InvalidArgument("a PlanCall needs plan or finish")
-                except QuillCacheError as exc:
-                    add(
-                        call_id=call.call_id,
-                        error=conductor_pb2.CallError(
-                            code=status_for(exc).value[0], message=str(exc)
-                        ),
-                    )
-                except Exception:
-                    logger.exception("PlanStream %s call failed", which)
-                    add(
-                        call_id=call.call_id,
-                        error=conductor_pb2.CallError(
-                            code=grpc.StatusCode.INTERNAL.value[0],
-                            message=f"{which}: internal error",
-                        ),
-                    )
-            yield reply
+            yield self.handle_calls(message)
+
+    def handle_calls(self, message) -> conductor_pb2.PlanStreamResponse:
+        """Answer one PlanStreamRequest (from PlanStream or the plan port)."""
+        reply = conductor_pb2.PlanStreamResponse()
+        add = reply.results.add
+        for call in message.calls:
+            which = call.WhichOneof("call")
+            try:
+                if which == "plan":
+                    add(call_id=call.call_id, plan=self.plan(call.plan))
+                elif which == "finish":
+                    add(call_id=call.call_id, finish=self.finish(call.finish))
+                else:
+                    raise InvalidArgument("a PlanCall needs plan or finish")
+            except QuillCacheError as exc:
+                add(
+                    call_id=call.call_id,
+                    error=conductor_pb2.CallError(code=status_for(exc).value[0], message=str(exc)),
+                )
+            except Exception:
+                logger.exception("%s call failed", which)
+                add(
+                    call_id=call.call_id,
+                    error=conductor_pb2.CallError(
+                        code=grpc.StatusCode.INTERNAL.value[0],
+                        message=f"{which}: internal error",
+                    ),
+                )
+        return reply
 
     @unary_errors
     async def Observe(self, request, context):
@@ -366,6 +370,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             reservations_open=len(state.reservations),
             reservations_expired=state.counters.reservations_expired,
             guard_refusals=state.counters.guard_refusals,
+            plan_address=self.plan_address,
             engines=[
                 conductor_pb2.EngineStats(
                     engine_id=info.state.id,

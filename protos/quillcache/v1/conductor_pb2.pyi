@@ -363,7 +363,7 @@ class EngineStats(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., base_url: _Optional[str] = ..., locality_domain: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., store_node: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("policy", "index_backend", "resident_records", "resident_bytes", "plans", "events_applied", "events_rejected", "reservations_open", "reservations_expired", "engines", "guard_refusals")
+    __slots__ = ("policy", "index_backend", "resident_records", "resident_bytes", "plans", "events_applied", "events_rejected", "reservations_open", "reservations_expired", "engines", "guard_refusals", "plan_address")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     INDEX_BACKEND_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_RECORDS_FIELD_NUMBER: _ClassVar[int]
@@ -375,6 +375,7 @@ class StatsResponse(_message.Message):
     RESERVATIONS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GUARD_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     index_backend: str
     resident_records: int
@@ -386,4 +387,5 @@ class StatsResponse(_message.Message):
     reservations_expired: int
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
     guard_refusals: int
-    def __init__(self, policy: _Optional[str] = ..., index_backend: _Optional[str] = ..., resident_records: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., plans: _Optional[int] = ..., events_applied: _Optional[int] = ..., events_rejected: _Optional[int] = ..., reservations_open: _Optional[int] = ..., reservations_expired: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., guard_refusals: _Optional[int] = ...) -> None: ...
+    plan_address: str
+    def __init__(self, policy: _Optional[str] = ..., index_backend: _Optional[str] = ..., resident_records: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., plans: _Optional[int] = ..., events_applied: _Optional[int] = ..., events_rejected: _Optional[int] = ..., reservations_open: _Optional[int] = ..., reservations_expired: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., guard_refusals: _Optional[int] = ..., plan_address: _Optional[str] = ...) -> None: ...

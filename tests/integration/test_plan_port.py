@@ -1,0 +1,172 @@
+"""The conductor's plan port (PlanStream's messages over plain TCP) with a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import urllib.request
+
+import grpc
+import pytest
+
+from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+from quillcache_core.plan_port import PlanPortClient
+from quillcache_gateway.conductor_calls import ConductorCalls
+from tests.integration.test_plan_stream import BS, ident, packed_request, put_engine
+from tests.support.services import ServiceProcess, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def start_conductor(etcd_server, tmp_path):
+    procs = []
+
+    def start(*extra: str) -> ServiceProcess:
+        proc = ServiceProcess(
+            "conductor",
+            ["--registry", etcd_server.client_url, "--seed", "5", *extra],
+            tmp_path,
+            f"conductor-{len(procs)}",
+        ).start()
+        procs.append(proc)
+        for engine in ("e1", "e2"):
+            put_engine(etcd_server, engine)
+        stub = conductor_pb2_grpc.ConductorStub(grpc.insecure_channel(proc.grpc_address))
+        wait_until(
+            lambda: len(stub.Stats(conductor_pb2.StatsRequest(), timeout=5).engines) == 2,
+            what="two engines",
+        )
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.stop()
+
+
+def stats(proc) -> conductor_pb2.StatsResponse:
+    stub = conductor_pb2_grpc.ConductorStub(grpc.insecure_channel(proc.grpc_address))
+    return stub.Stats(conductor_pb2.StatsRequest(), timeout=5)
+
+
+def metric(proc, name: str) -> float:
+    with urllib.request.urlopen(proc.metrics_url + "/metrics", timeout=5) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def test_plan_port_answers_like_the_stream_and_reports_errors_per_call(start_conductor):
+    proc = start_conductor()
+    address = stats(proc).plan_address
+    assert address and address == proc.fields["plan"]
+
+    async def resolve() -> str:
+        return address
+
+    async def go():
+        client = PlanPortClient(resolve)
+        replies = await asyncio.gather(
+            *(
+                client.plan(packed_request(list(range(n, n + 4 * BS))), timeout=10)
+                for n in range(200)
+            )
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as bad:
+            await client.plan(conductor_pb2.PlanRequest(packed_hashes=b"\x01" * 16), timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await client.finish(
+                conductor_pb2.FinishRequest(
+                    reservation_id="nope", outcome=conductor_pb2.FinishRequest.SUCCESS
+                ),
+                timeout=5,
+            )
+        open_after_plans = stats(proc).reservations_open
+        await asyncio.gather(
+            *(
+                client.finish(
+                    conductor_pb2.FinishRequest(
+                        reservation_id=r.reservation_id,
+                        outcome=conductor_pb2.FinishRequest.CANCELLED,
+                    ),
+                    timeout=10,
+                )
+                for r in replies
+            )
+        )
+        opened = client.connections_opened
+        await client.close()
+        return replies, bad.value, unknown.value, open_after_plans, opened
+
+    replies, bad, unknown, open_after_plans, opened = asyncio.run(go())
+    assert len({r.reservation_id for r in replies}) == 200
+    assert {r.engine_id for r in replies} == {"e1", "e2"}
+    assert all(r.recompute_blocks == 4 for r in replies)
+    assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "model_id" in bad.details()
+    assert unknown.code() == grpc.StatusCode.NOT_FOUND and "nope" in unknown.details()
+    assert open_after_plans == 200 and stats(proc).reservations_open == 0
+    assert opened == 1, "one connection for every call, errors included"
+    assert metric(proc, "quillcache_plan_port_frames_total") >= 402
+
+
+def test_a_bad_frame_closes_only_its_connection_and_is_counted(start_conductor):
+    proc = start_conductor()
+    host, _, port = stats(proc).plan_address.rpartition(":")
+    for frame in (struct.pack(">I", 7) + b"\xff" * 7, struct.pack(">I", 1 << 30)):
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(frame)
+            assert sock.recv(16) == b"", "the conductor closed this connection"
+    wait_until(
+        lambda: metric(proc, "quillcache_plan_port_rejected_frames_total") == 2,
+        what="two rejected frames",
+    )
+
+    async def go():
+        client = PlanPortClient(lambda: _const(f"{host}:{port}"))
+        reply = await client.plan(packed_request(list(range(2 * BS))), timeout=5)
+        await client.close()
+        return reply
+
+    assert asyncio.run(go()).engine_id in {"e1", "e2"}, "the conductor serves on"
+
+
+async def _const(value: str) -> str:
+    return value
+
+
+def test_gateway_calls_use_the_port_fall_back_without_it_and_fail_fast_when_dead(
+    start_conductor,
+):
+    with_port = start_conductor()
+    without = start_conductor("--plan-port", "-1")
+    assert stats(without).plan_address == ""
+
+    async def go():
+        out = {}
+        for name, proc in (("port", with_port), ("none", without)):
+            async with grpc.aio.insecure_channel(proc.grpc_address) as channel:
+                calls = ConductorCalls(channel)
+                reply = await calls.plan(packed_request(list(range(3 * BS))), 5)
+                await calls.finish(
+                    conductor_pb2.FinishRequest(
+                        reservation_id=reply.reservation_id,
+                        outcome=conductor_pb2.FinishRequest.SUCCESS,
+                        identity=ident(),
+                    ),
+                    5,
+                )
+                out[name] = (calls.transport, calls.fallbacks)
+                if name == "port":
+                    with_port.kill()
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await calls.plan(packed_request(list(range(3 * BS))), 5)
+                    out["dead"] = err.value.code()
+                await calls.close()
+        return out
+
+    out = asyncio.run(go())
+    assert out["port"] == ("plan port", 0)
+    assert out["none"] == ("PlanStream", 1)
+    assert out["dead"] == grpc.StatusCode.UNAVAILABLE
