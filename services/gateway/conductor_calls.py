@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 
 import grpc
@@ -21,6 +22,8 @@ from quillcache_core.plan_client import PlanClient
 from quillcache_core.plan_port import PlanPortClient, PlanPortUnreachable
 
 logger = logging.getLogger(__name__)
+
+PORT_RETRY_S = 5.0
 
 
 class ConductorCalls:
@@ -36,6 +39,7 @@ class ConductorCalls:
         self._client = PlanClient(channel)
         self._stub = conductor_pb2_grpc.ConductorStub(channel)
         self._port = PlanPortClient(self._plan_address) if use_plan_port else None
+        self._port_retry_at = 0.0  # after the port was unreachable, PlanStream until then
         self.fallbacks = 0
 
     async def _plan_address(self) -> str:
@@ -54,7 +58,7 @@ class ConductorCalls:
     async def plan(
         self, request: conductor_pb2.PlanRequest, timeout_s: float
     ) -> conductor_pb2.PlanResponse:
-        if self._port is not None:
+        if self._port is not None and time.monotonic() >= self._port_retry_at:
             try:
                 return await self._port.plan(request, timeout_s)
             except PlanPortUnreachable as exc:
@@ -64,7 +68,7 @@ class ConductorCalls:
     async def finish(
         self, request: conductor_pb2.FinishRequest, timeout_s: float
     ) -> conductor_pb2.FinishResponse:
-        if self._port is not None:
+        if self._port is not None and time.monotonic() >= self._port_retry_at:
             try:
                 return await self._port.finish(request, timeout_s)
             except PlanPortUnreachable as exc:
@@ -77,8 +81,11 @@ class ConductorCalls:
             logger.info("the conductor has no plan port: using PlanStream")
             self._port = None
         else:
+            self._port_retry_at = time.monotonic() + PORT_RETRY_S
             logger.warning(
-                "plan port unreachable (%s): this call goes over PlanStream", exc.details()
+                "plan port unreachable (%s): PlanStream for the next %.0f s",
+                exc.details(),
+                PORT_RETRY_S,
             )
 
     async def close(self) -> None:
