@@ -34,6 +34,11 @@ class GatewayConfig:
     )
     max_body_bytes: int = opt(4 * 1024 * 1024, "larger request bodies get 413")
     plan_timeout_s: float = opt(5.0, "deadline of a Plan or Finish call to the conductor")
+    use_plan_port: bool = opt(
+        True,
+        "send Plan and Finish over the conductor's plan port when it has one "
+        "(false = always over the gRPC PlanStream)",
+    )
     finish_hold_ms: float = opt(
         20.0,
         "a Finish waits up to this long while other requests wait for their first byte "

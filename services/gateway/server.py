@@ -173,7 +173,7 @@ class Gateway:
         cfg = self.config
         address = cfg.conductor or await self._find_conductor()
         self._channel = grpc.aio.insecure_channel(address)
-        self.conductor = ConductorCalls(self._channel)
+        self.conductor = ConductorCalls(self._channel, use_plan_port=cfg.use_plan_port)
         self._stats = conductor_pb2_grpc.ConductorStub(self._channel)
         self._finishes = FinishQueue(
             self.conductor,
