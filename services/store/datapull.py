@@ -22,7 +22,6 @@ a fresh one (the source may have restarted). Thread-safe.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +31,8 @@ from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store import dataproto
 from quillcache_store.blockcodec import CorruptBlock, payload_checksum
-from quillcache_store.dataserver import is_timeout, recv_exactly, tune_socket
+from quillcache_store.dataconn import DataConnections
+from quillcache_store.dataserver import is_timeout, recv_exactly
 from quillcache_store.tiers import TieredStore
 
 log = logging.getLogger(__name__)
@@ -82,49 +82,19 @@ class BlockPuller:
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._lock = threading.Lock()
-        self._idle: dict[str, list[socket.socket]] = {}
-        self._closed = False
+        self._conns = DataConnections(
+            idle_per_address=_IDLE_PER_ADDRESS,
+            io_timeout_s=io_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+        )
         self.blocks_pulled = 0
         self.bytes_pulled = 0
         self.blocks_failed = 0
 
     # --- connections ------------------------------------------------------------------------
 
-    def _connect(self, address: str) -> socket.socket:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgument(f"data address {address!r} is not host:port")
-        try:
-            sock = socket.create_connection(
-                (host.strip("[]"), int(port)), timeout=self.connect_timeout_s
-            )
-        except OSError as exc:
-            raise NodeUnavailable(f"cannot connect to data port {address}: {exc}") from None
-        tune_socket(sock, self.io_timeout_s)
-        return sock
-
-    def _take(self, address: str) -> tuple[socket.socket, bool]:
-        with self._lock:
-            idle = self._idle.get(address)
-            if idle:
-                return idle.pop(), True
-        return self._connect(address), False
-
-    def _give_back(self, address: str, sock: socket.socket) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if not self._closed and len(idle) < _IDLE_PER_ADDRESS:
-                idle.append(sock)
-                return
-        sock.close()
-
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks = [s for idle in self._idle.values() for s in idle]
-            self._idle.clear()
-        for sock in socks:
-            sock.close()
+        self._conns.close()
 
     # --- pulling ------------------------------------------------------------------------------
 
@@ -151,7 +121,7 @@ class BlockPuller:
         progress = [0]  # outcomes delivered so far
         for attempt in (0, 1):
             try:
-                sock, reused = self._take(address)
+                sock, reused = self._conns.take(address)
             except (NodeUnavailable, InvalidArgument) as exc:
                 self._fail_rest(keys, 0, on_result, dataproto.code_name(exc), str(exc), True)
                 return
@@ -182,7 +152,7 @@ class BlockPuller:
                 sock.close()
                 self._fail_rest(keys, done, on_result, "CANCELLED", "pull cancelled", False)
             else:
-                self._give_back(address, sock)
+                self._conns.give_back(address, sock)
             return
 
     def _fail_rest(self, keys, start, on_result, code, message, source_failed) -> None:

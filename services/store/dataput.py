@@ -17,14 +17,12 @@ Blocking: call from a worker thread (`StoreClient` does). Thread-safe.
 
 from __future__ import annotations
 
-import socket
-import threading
-
-from quillcache_core.errors import InvalidArgument, NodeUnavailable
+from quillcache_core.errors import NodeUnavailable
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store import dataproto
 from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.dataserver import is_timeout, recv_exactly, send_parts, tune_socket
+from quillcache_store.dataconn import DataConnections
+from quillcache_store.dataserver import is_timeout, recv_exactly, send_parts
 
 _IDLE_PER_ADDRESS = 8
 
@@ -35,47 +33,14 @@ class BlockPusher:
     def __init__(self, *, io_timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> None:
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._lock = threading.Lock()
-        self._idle: dict[str, list[socket.socket]] = {}
-        self._closed = False
-
-    def _connect(self, address: str) -> socket.socket:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise InvalidArgument(f"data address {address!r} is not host:port")
-        try:
-            sock = socket.create_connection(
-                (host.strip("[]"), int(port)), timeout=self.connect_timeout_s
-            )
-        except OSError as exc:
-            raise NodeUnavailable(f"cannot connect to data port {address}: {exc}") from None
-        tune_socket(sock, self.io_timeout_s)
-        return sock
-
-    def _take(self, address: str) -> tuple[socket.socket, bool]:
-        with self._lock:
-            if self._closed:
-                raise NodeUnavailable("the block pusher is closed")
-            idle = self._idle.get(address)
-            if idle:
-                return idle.pop(), True
-        return self._connect(address), False
-
-    def _give_back(self, address: str, sock: socket.socket) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if not self._closed and len(idle) < _IDLE_PER_ADDRESS:
-                idle.append(sock)
-                return
-        sock.close()
+        self._conns = DataConnections(
+            idle_per_address=_IDLE_PER_ADDRESS,
+            io_timeout_s=io_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+        )
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks = [s for idle in self._idle.values() for s in idle]
-            self._idle.clear()
-        for sock in socks:
-            sock.close()
+        self._conns.close()
 
     def put(
         self,
@@ -96,7 +61,7 @@ class BlockPusher:
             checksum = payload_checksum(view)
         header = dataproto.encode_put(key, view.nbytes, checksum, tier=tier, durable=durable)
         for attempt in (0, 1):
-            sock, reused = self._take(address)
+            sock, reused = self._conns.take(address)
             try:
                 ack, message = self._exchange(sock, header, view, address)
             except _Stale:
@@ -110,7 +75,7 @@ class BlockPusher:
             if ack.status == dataproto.STATUS_INVALID_ARGUMENT:
                 sock.close()  # the store drops the connection after a malformed put
             else:
-                self._give_back(address, sock)
+                self._conns.give_back(address, sock)
             if ack.status != dataproto.STATUS_OK:
                 raise dataproto.error_of(ack.status, message or "put refused")
             if ack.checksum != checksum or ack.payload_len != view.nbytes:

@@ -1,0 +1,66 @@
+"""Idle connections to stores' block-data ports, kept per address and reused.
+
+Shared by the puller (peer fetch) and the pusher (puts): a few idle sockets per
+address, handed out one caller at a time; `take` says whether the socket was reused,
+so a caller can replace, once, a reused one that turns out to have been closed by a
+store that restarted. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from quillcache_core.errors import InvalidArgument, NodeUnavailable
+from quillcache_store.dataserver import tune_socket
+
+
+class DataConnections:
+    def __init__(
+        self, *, idle_per_address: int, io_timeout_s: float, connect_timeout_s: float
+    ) -> None:
+        self.idle_per_address = idle_per_address
+        self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._closed = False
+
+    def connect(self, address: str) -> socket.socket:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidArgument(f"data address {address!r} is not host:port")
+        try:
+            sock = socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=self.connect_timeout_s
+            )
+        except OSError as exc:
+            raise NodeUnavailable(f"cannot connect to data port {address}: {exc}") from None
+        tune_socket(sock, self.io_timeout_s)
+        return sock
+
+    def take(self, address: str) -> tuple[socket.socket, bool]:
+        """A connection to `address` and whether it was an idle one (reused)."""
+        with self._lock:
+            if self._closed:
+                raise NodeUnavailable("the data connections are closed")
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop(), True
+        return self.connect(address), False
+
+    def give_back(self, address: str, sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if not self._closed and len(idle) < self.idle_per_address:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks = [s for idle in self._idle.values() for s in idle]
+            self._idle.clear()
+        for sock in socks:
+            sock.close()
