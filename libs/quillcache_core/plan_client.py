@@ -31,6 +31,22 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+def deliver(pending: dict[int, asyncio.Future], message) -> None:
+    """Resolve the callers' futures from a PlanStreamResponse's results, by call id."""
+    for result in message.results:
+        future = pending.pop(result.call_id, None)
+        if future is None or future.done():
+            continue  # the caller timed out or was cancelled
+        which = result.WhichOneof("result")
+        if which == "plan":
+            future.set_result(result.plan)
+        elif which == "finish":
+            future.set_result(result.finish)
+        else:
+            code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
+            future.set_exception(rpc_error(code, result.error.message))
+
+
 def _expire(future: asyncio.Future) -> None:
     if not future.done():
         future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
@@ -136,19 +152,7 @@ class PlanClient:
                 message = await call.read()
                 if message is grpc.aio.EOF:
                     break
-                pending = self._pending
-                for result in message.results:
-                    future = pending.pop(result.call_id, None)
-                    if future is None or future.done():
-                        continue  # the caller timed out or was cancelled
-                    which = result.WhichOneof("result")
-                    if which == "plan":
-                        future.set_result(result.plan)
-                    elif which == "finish":
-                        future.set_result(result.finish)
-                    else:
-                        code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
-                        future.set_exception(rpc_error(code, result.error.message))
+                deliver(self._pending, message)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:

@@ -30,7 +30,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from quillcache.v1 import conductor_pb2
-from quillcache_core.plan_client import _CODES, _expire, rpc_error
+from quillcache_core.plan_client import _expire, deliver, rpc_error
 
 logger = logging.getLogger(__name__)
 
@@ -206,19 +206,7 @@ class PlanPortClient:
                 message = conductor_pb2.PlanStreamResponse.FromString(
                     await reader.readexactly(size)
                 )
-                pending = self._pending
-                for result in message.results:
-                    future = pending.pop(result.call_id, None)
-                    if future is None or future.done():
-                        continue  # the caller timed out or was cancelled
-                    which = result.WhichOneof("result")
-                    if which == "plan":
-                        future.set_result(result.plan)
-                    elif which == "finish":
-                        future.set_result(result.finish)
-                    else:
-                        code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
-                        future.set_exception(rpc_error(code, result.error.message))
+                deliver(self._pending, message)
         except asyncio.CancelledError:
             raise
         except (asyncio.IncompleteReadError, ConnectionError, DecodeError) as exc:

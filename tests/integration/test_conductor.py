@@ -16,6 +16,8 @@ import pytest
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_core.etcd_server import find_etcd_binary
 from quillcache_core.hashing import request_blocks
+from tests.support.etcdctl import etcdctl
+from tests.support.etcdctl import put_engine as support_put_engine
 from tests.support.services import ServiceProcess, wait_until
 
 pytestmark = pytest.mark.integration
@@ -23,30 +25,8 @@ pytestmark = pytest.mark.integration
 MODEL, TOKENIZER = "llama-3-8b", "llama-3"
 
 
-def etcdctl(etcd, *args: str) -> str:
-    out = subprocess.run(
-        [find_etcd_binary("etcdctl"), "--endpoints", etcd.endpoint, *args],
-        capture_output=True,
-        env={**os.environ, "ETCDCTL_API": "3"},
-        timeout=10,
-        check=True,
-    )
-    return out.stdout.decode()
-
-
 def put_engine(etcd, engine_id: str, lease: str | None = None, **fields) -> None:
-    record = {
-        "kind": "engine",
-        "id": engine_id,
-        "address": "",
-        "locality_domain": fields.pop("locality_domain", "rack-a"),
-        "base_url": f"http://127.0.0.1:1/{engine_id}",
-        "model": MODEL,
-        "tokenizer": TOKENIZER,
-        **fields,
-    }
-    extra = [f"--lease={lease}"] if lease else []
-    etcdctl(etcd, "put", *extra, f"/quillcache/v1/nodes/engine/{engine_id}", json.dumps(record))
+    support_put_engine(etcd, engine_id, model=MODEL, tokenizer=TOKENIZER, lease=lease, **fields)
 
 
 @pytest.fixture

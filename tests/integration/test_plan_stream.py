@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
 
 import grpc
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.etcd_server import find_etcd_binary
 from quillcache_core.hashing import request_blocks
 from quillcache_core.plan_client import PlanClient
 from quillcache_core.plan_wire import expand_runs, pack_hashes
+from tests.support.etcdctl import put_engine as support_put_engine
 from tests.support.services import ServiceProcess, wait_until
 
 pytestmark = pytest.mark.integration
@@ -25,29 +22,7 @@ RECOMPUTE = conductor_pb2.BlockAction.RECOMPUTE
 
 
 def put_engine(etcd, engine_id: str) -> None:
-    record = {
-        "kind": "engine",
-        "id": engine_id,
-        "address": "",
-        "locality_domain": "rack-a",
-        "base_url": f"http://127.0.0.1:1/{engine_id}",
-        "model": MODEL,
-        "tokenizer": TOKENIZER,
-    }
-    subprocess.run(
-        [
-            find_etcd_binary("etcdctl"),
-            "--endpoints",
-            etcd.endpoint,
-            "put",
-            f"/quillcache/v1/nodes/engine/{engine_id}",
-            json.dumps(record),
-        ],
-        env={**os.environ, "ETCDCTL_API": "3"},
-        capture_output=True,
-        timeout=10,
-        check=True,
-    )
+    support_put_engine(etcd, engine_id, model=MODEL, tokenizer=TOKENIZER)
 
 
 @pytest.fixture

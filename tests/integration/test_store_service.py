@@ -18,11 +18,11 @@ import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, store_pb2
 from quillcache_core.errors import CapacityExceeded, Corrupt, InvalidArgument, NotFound
-from quillcache_core.etcd_server import find_etcd_binary
 from quillcache_core.model import CacheTier
 from quillcache_store import wire
 from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.client import StoreClient
+from tests.support.etcdctl import put_engine
 from tests.support.services import wait_until
 from tests.support.stores import (
     MIB,
@@ -364,29 +364,7 @@ def test_a_block_corrupted_on_disk_is_never_served_and_reported_removed(fleet, t
 
 
 def _put_engine(etcd, engine_id: str) -> None:
-    record = {
-        "kind": "engine",
-        "id": engine_id,
-        "address": "",
-        "locality_domain": "rack-a",
-        "base_url": f"http://127.0.0.1:1/{engine_id}",
-        "model": MODEL,
-        "tokenizer": TOKENIZER,
-    }
-    subprocess.run(
-        [
-            find_etcd_binary("etcdctl"),
-            "--endpoints",
-            etcd.endpoint,
-            "put",
-            f"/quillcache/v1/nodes/engine/{engine_id}",
-            json.dumps(record),
-        ],
-        env={**os.environ, "ETCDCTL_API": "3"},
-        capture_output=True,
-        timeout=10,
-        check=True,
-    )
+    put_engine(etcd, engine_id, model=MODEL, tokenizer=TOKENIZER)
 
 
 def _fetch_sources(conductor, keys) -> set[str]:
