@@ -9,7 +9,6 @@ in two actions instead of 128.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 from quillcache_core.errors import InvalidArgument
 
@@ -36,18 +35,6 @@ def unpack_hashes(packed: bytes) -> list[str]:
         )
     text = packed.hex()
     return [text[i : i + _HEX] for i in range(0, len(text), _HEX)]
-
-
-class ActionRun(NamedTuple):
-    """Consecutive blocks with the same action and source."""
-
-    kind: int  # conductor_pb2.BlockAction.Kind
-    first: int
-    count: int
-    source_node: str
-    source_address: str
-    source_tier: int
-    cost_us: int
 
 
 def expand_runs(actions) -> Iterator[tuple[int, object]]:
