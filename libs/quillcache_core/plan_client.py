@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -31,25 +32,66 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def deliver(pending: dict[int, asyncio.Future], message) -> None:
-    """Resolve the callers' futures from a PlanStreamResponse's results, by call id."""
-    for result in message.results:
-        future = pending.pop(result.call_id, None)
-        if future is None or future.done():
-            continue  # the caller timed out or was cancelled
-        which = result.WhichOneof("result")
-        if which == "plan":
-            future.set_result(result.plan)
-        elif which == "finish":
-            future.set_result(result.finish)
-        else:
-            code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
-            future.set_exception(rpc_error(code, result.error.message))
-
-
 def _expire(future: asyncio.Future) -> None:
     if not future.done():
         future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+
+class PendingCalls:
+    """The callers waiting on one connection's results, by call id.
+
+    Shared by PlanClient (PlanStream) and PlanPortClient (the plan port): ids are
+    allotted here, each caller waits with one timer (cheaper than wait_for's wrapper
+    future and callbacks), results resolve the callers, and a broken connection
+    fails them all at once.
+    """
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._futures: dict[int, asyncio.Future] = {}
+
+    async def call(
+        self,
+        call: conductor_pb2.PlanCall,
+        timeout: float | None,
+        send: Callable[[conductor_pb2.PlanCall], None],
+    ):
+        """Give `call` an id, `send` it, and wait for its result or its deadline."""
+        call.call_id = call_id = next(self._ids)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._futures[call_id] = future
+        send(call)
+        timer = None if timeout is None else loop.call_later(timeout, _expire, future)
+        try:
+            return await future
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._futures.pop(call_id, None)
+
+    def deliver(self, message: conductor_pb2.PlanStreamResponse) -> None:
+        """Resolve the callers' futures from a response's results."""
+        futures = self._futures
+        for result in message.results:
+            future = futures.pop(result.call_id, None)
+            if future is None or future.done():
+                continue  # the caller timed out or was cancelled
+            which = result.WhichOneof("result")
+            if which == "plan":
+                future.set_result(result.plan)
+            elif which == "finish":
+                future.set_result(result.finish)
+            else:
+                code = _CODES.get(result.error.code, grpc.StatusCode.UNKNOWN)
+                future.set_exception(rpc_error(code, result.error.message))
+
+    def fail_all(self, error: grpc.aio.AioRpcError) -> None:
+        """Fail every call in flight (the connection broke or the client closed)."""
+        futures, self._futures = self._futures, {}
+        for future in futures.values():
+            if not future.done():
+                future.set_exception(error)
 
 
 class PlanClient:
@@ -57,8 +99,7 @@ class PlanClient:
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._stub = conductor_pb2_grpc.ConductorStub(channel)
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending = PendingCalls()
         self._outbox: list[conductor_pb2.PlanCall] = []
         self._wake = asyncio.Event()
         self._call = None
@@ -70,26 +111,26 @@ class PlanClient:
     async def plan(
         self, request: conductor_pb2.PlanRequest, timeout: float | None = None
     ) -> conductor_pb2.PlanResponse:
-        if self._unary:
-            return await self._stub.Plan(request, timeout=timeout)
-        try:
-            return await self._submit(conductor_pb2.PlanCall(plan=request), timeout)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED or self._unary is False:
-                raise
-            return await self._stub.Plan(request, timeout=timeout)
+        return await self._either(conductor_pb2.PlanCall(plan=request), self._stub.Plan, timeout)
 
     async def finish(
         self, request: conductor_pb2.FinishRequest, timeout: float | None = None
     ) -> conductor_pb2.FinishResponse:
+        return await self._either(
+            conductor_pb2.PlanCall(finish=request), self._stub.Finish, timeout
+        )
+
+    async def _either(self, call: conductor_pb2.PlanCall, unary, timeout: float | None):
+        """Over the stream, or unary once the conductor said it has no PlanStream."""
+        request = getattr(call, call.WhichOneof("call"))
         if self._unary:
-            return await self._stub.Finish(request, timeout=timeout)
+            return await unary(request, timeout=timeout)
         try:
-            return await self._submit(conductor_pb2.PlanCall(finish=request), timeout)
+            return await self._submit(call, timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.UNIMPLEMENTED or self._unary is False:
                 raise
-            return await self._stub.Finish(request, timeout=timeout)
+            return await unary(request, timeout=timeout)
 
     async def close(self) -> None:
         self._closed = True
@@ -108,20 +149,11 @@ class PlanClient:
             raise rpc_error(grpc.StatusCode.CANCELLED, "plan client closed")
         if self._call is None:
             self._open()
-        call.call_id = call_id = next(self._ids)
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._pending[call_id] = future
+        return await self._pending.call(call, timeout, self._enqueue)
+
+    def _enqueue(self, call: conductor_pb2.PlanCall) -> None:
         self._outbox.append(call)
         self._wake.set()
-        # One timer per call (cheaper than wait_for's wrapper future and callbacks).
-        timer = None if timeout is None else loop.call_later(timeout, _expire, future)
-        try:
-            return await future
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._pending.pop(call_id, None)
 
     def _open(self) -> None:
         self._call = call = self._stub.PlanStream()
@@ -152,7 +184,7 @@ class PlanClient:
                 message = await call.read()
                 if message is grpc.aio.EOF:
                     break
-                deliver(self._pending, message)
+                self._pending.deliver(message)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError as exc:
@@ -179,7 +211,4 @@ class PlanClient:
             if task is not asyncio.current_task():
                 task.cancel()
         self._outbox = []
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
+        self._pending.fail_all(error)

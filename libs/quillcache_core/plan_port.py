@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import struct
 from collections.abc import Awaitable, Callable
@@ -30,7 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from quillcache.v1 import conductor_pb2
-from quillcache_core.plan_client import _expire, deliver, rpc_error
+from quillcache_core.plan_client import PendingCalls, rpc_error
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +117,7 @@ class PlanPortClient:
 
     def __init__(self, resolve: Callable[[], Awaitable[str]]) -> None:
         self._resolve = resolve
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending = PendingCalls()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._connecting: asyncio.Future | None = None
@@ -153,18 +151,13 @@ class PlanPortClient:
         writer = self._writer
         if writer is None or writer.is_closing():
             writer = await self._connect(timeout)
-        call.call_id = call_id = next(self._ids)
-        future = loop.create_future()
-        self._pending[call_id] = future
-        body = conductor_pb2.PlanStreamRequest(calls=[call]).SerializeToString()
-        writer.write(LENGTH.pack(len(body)) + body)
-        timer = None if deadline is None else loop.call_at(deadline, _expire, future)
-        try:
-            return await future
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._pending.pop(call_id, None)
+
+        def send(call: conductor_pb2.PlanCall) -> None:
+            body = conductor_pb2.PlanStreamRequest(calls=[call]).SerializeToString()
+            writer.write(LENGTH.pack(len(body)) + body)
+
+        remaining = None if deadline is None else deadline - loop.time()
+        return await self._pending.call(call, remaining, send)
 
     async def _connect(self, timeout: float | None) -> asyncio.StreamWriter:
         """One connection attempt shared by every caller waiting for it."""
@@ -206,7 +199,7 @@ class PlanPortClient:
                 message = conductor_pb2.PlanStreamResponse.FromString(
                     await reader.readexactly(size)
                 )
-                deliver(self._pending, message)
+                self._pending.deliver(message)
         except asyncio.CancelledError:
             raise
         except (asyncio.IncompleteReadError, ConnectionError, DecodeError) as exc:
@@ -219,7 +212,4 @@ class PlanPortClient:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
+        self._pending.fail_all(error)
