@@ -172,14 +172,7 @@ class LocalCluster:
                     timeout_s,
                 )
             )
-        keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
-        gateway = self._run(
-            "gateway",
-            "gateway",
-            ["--conductor", conductor.fields["grpc"], "--api-keys", keys],
-            timeout_s,
-        )
-        self._wait_engines_visible(conductor.fields["grpc"], len(engines), timeout_s)
+        gateway = self._start_gateway(conductor, len(engines), timeout_s)
         return {
             "gateway_url": gateway.fields["http"],
             "conductor": conductor.fields["grpc"],
@@ -196,6 +189,18 @@ class LocalCluster:
             },
             "api_keys": dict(self.api_keys),
         }
+
+    def _start_gateway(self, conductor: Child, engines: int, timeout_s: float) -> Child:
+        """The gateway with the demo tenants' keys, once the conductor sees every engine."""
+        keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
+        gateway = self._run(
+            "gateway",
+            "gateway",
+            ["--conductor", conductor.fields["grpc"], "--api-keys", keys],
+            timeout_s,
+        )
+        self._wait_engines_visible(conductor.fields["grpc"], engines, timeout_s)
+        return gateway
 
     def _run(self, name: str, service: str, args: list[str], timeout_s: float) -> Child:
         args = [*args, *self.extra_args.get(service, [])]

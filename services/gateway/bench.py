@@ -67,14 +67,7 @@ class PathCluster(LocalCluster):
             )
             for i in range(self.engines)
         ]
-        keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
-        gateway = self._run(
-            "gateway",
-            "gateway",
-            ["--conductor", conductor.fields["grpc"], "--api-keys", keys],
-            timeout_s,
-        )
-        self._wait_engines_visible(conductor.fields["grpc"], len(engines), timeout_s)
+        gateway = self._start_gateway(conductor, len(engines), timeout_s)
         return {
             "gateway_url": gateway.fields["http"],
             "conductor": conductor.fields["grpc"],
