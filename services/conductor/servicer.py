@@ -15,20 +15,14 @@ from quillcache_conductor.events import EventRouter
 from quillcache_conductor.state import ConductorState
 from quillcache_core.errors import InvalidArgument, QuillCacheError
 from quillcache_core.hashing import ROOT_PARENT
-from quillcache_core.model import CacheTier, IdentityScope, KvBlockKey, RequestShape, SloTarget
+from quillcache_core.model import IdentityScope, KvBlockKey, RequestShape, SloTarget
 from quillcache_core.plan_wire import unpack_hashes
 from quillcache_core.planner import ActionKind, action_runs
+from quillcache_core.proto_tiers import TIER_TO_PROTO
 from quillcache_core.rpc import status_for, unary_errors
 
 logger = logging.getLogger(__name__)
 
-TIER_TO_PROTO = {
-    CacheTier.HBM: common_pb2.TIER_HBM,
-    CacheTier.REMOTE_HBM: common_pb2.TIER_REMOTE_HBM,
-    CacheTier.CPU_DRAM: common_pb2.TIER_CPU_DRAM,
-    CacheTier.LOCAL_SSD: common_pb2.TIER_LOCAL_SSD,
-    CacheTier.OBJECT_STORE: common_pb2.TIER_OBJECT_STORE,
-}
 # Keyed by member name: an Enum's own __hash__ is a Python-level call, slow per block.
 KIND_TO_PROTO = {
     ActionKind.LOCAL_HIT.name: conductor_pb2.BlockAction.LOCAL_HIT,

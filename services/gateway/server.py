@@ -30,6 +30,7 @@ from quillcache_core.hashing import block_hashes, identity_digest
 from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.model import CacheTier
 from quillcache_core.plan_wire import pack_hashes
+from quillcache_core.proto_tiers import tier_from_proto
 from quillcache_core.registry import open_registry
 from quillcache_core.rpc import error_from_status
 from quillcache_core.tokenize import (
@@ -47,13 +48,6 @@ from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamPool
 logger = logging.getLogger(__name__)
 
 SLO_HEADER = "x-quillcache-ttft-slo-ms"
-TIER_NAMES = {
-    common_pb2.TIER_HBM: CacheTier.HBM.value,
-    common_pb2.TIER_REMOTE_HBM: CacheTier.REMOTE_HBM.value,
-    common_pb2.TIER_CPU_DRAM: CacheTier.CPU_DRAM.value,
-    common_pb2.TIER_LOCAL_SSD: CacheTier.LOCAL_SSD.value,
-    common_pb2.TIER_OBJECT_STORE: CacheTier.OBJECT_STORE.value,
-}
 FETCH = conductor_pb2.BlockAction.FETCH
 SUCCESS = conductor_pb2.FinishRequest.SUCCESS
 ERROR = conductor_pb2.FinishRequest.ERROR
@@ -595,7 +589,7 @@ class Gateway:
         for a in plan.actions:
             if a.kind != FETCH:
                 continue
-            tier = TIER_NAMES.get(a.source_tier, CacheTier.CPU_DRAM.value)
+            tier = (tier_from_proto(a.source_tier) or CacheTier.CPU_DRAM).value
             for index in range(a.block_index, a.block_index + (a.block_count or 1)):
                 fetch.append(
                     {

@@ -37,6 +37,7 @@ import grpc.aio
 from quillcache.v1 import store_pb2
 from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.proto_tiers import tier_from_proto, tier_to_proto
 from quillcache_core.rpc import error_from_status
 from quillcache_store import wire
 from quillcache_store.blockcodec import payload_checksum
@@ -209,7 +210,7 @@ class StoreClient:
             total_bytes=total,
             checksum=payload_checksum(view),
             durable=durable,
-            tier=wire.tier_to_proto(tier),
+            tier=tier_to_proto(tier),
         )
         step = self.chunk_bytes
         call = self.open_put()
@@ -225,7 +226,7 @@ class StoreClient:
             # The server ended the call while we were writing: its status says why.
             code = await call.code()
             raise error_from_status(code, await call.details()) from None
-        landed = wire.tier_from_proto(reply.tier)
+        landed = tier_from_proto(reply.tier)
         return landed if landed is not None else tier
 
     async def _push(
@@ -268,7 +269,7 @@ class StoreClient:
             )
         if first.checksum and payload_checksum(data) != first.checksum:
             raise Corrupt(f"block {key.block_hash} from {self.address} failed its checksum")
-        tier = wire.tier_from_proto(first.tier) or CacheTier.CPU_DRAM
+        tier = tier_from_proto(first.tier) or CacheTier.CPU_DRAM
         return data, tier
 
     async def exists(self, keys: Sequence[KvBlockKey]) -> list[CacheTier | None]:
@@ -288,7 +289,7 @@ class StoreClient:
             if not present:
                 out.append(None)
                 continue
-            tier = wire.tier_from_proto(tiers[i]) if i < len(tiers) else None
+            tier = tier_from_proto(tiers[i]) if i < len(tiers) else None
             out.append(tier or CacheTier.CPU_DRAM)
         return out
 
@@ -363,7 +364,7 @@ class StoreClient:
             source_node=source_node,
             source_data_address=source_data_address,
             keys=[wire.key_to_proto(k) for k in keys],
-            tier=wire.tier_to_proto(tier),
+            tier=tier_to_proto(tier),
             durable=durable,
         )
         return self._pull_rpc(request, timeout=timeout_s or self.timeout_s)

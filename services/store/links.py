@@ -22,6 +22,7 @@ from quillcache.v1 import (
 )
 from quillcache_core.errors import NodeUnavailable, NotFound
 from quillcache_core.model import KvBlockKey
+from quillcache_core.proto_tiers import tier_from_proto
 from quillcache_core.registry import NodeRecord, NodeRegistry
 from quillcache_core.rpc import error_from_status
 from quillcache_store import wire
@@ -121,7 +122,7 @@ class ConductorLink:
         out = []
         for block in reply.blocks:
             for loc in block.locations:
-                tier = wire.tier_from_proto(loc.tier)
+                tier = tier_from_proto(loc.tier)
                 if loc.kind == "store" and tier is not None:
                     out.append(PeerLocation(loc.node_id, loc.address, tier))
         return out

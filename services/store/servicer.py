@@ -25,6 +25,7 @@ import grpc
 from quillcache.v1 import store_pb2
 from quillcache_core.errors import CapacityExceeded, InvalidArgument, QuillCacheError
 from quillcache_core.model import CacheTier
+from quillcache_core.proto_tiers import tier_from_proto, tier_to_proto
 from quillcache_core.rpc import stream_errors, unary_errors
 from quillcache_store import dataproto, wire
 from quillcache_store.datapull import BlockPuller, PullOutcome
@@ -263,7 +264,7 @@ class StoreServicer:
         logger.debug("put %s: %d bytes -> %s", key.block_hash, total, landed)
         return store_pb2.PutResponse(
             key=header.key,
-            tier=wire.tier_to_proto(landed),
+            tier=tier_to_proto(landed),
             bytes=total,
             durable=header.durable or landed is CacheTier.LOCAL_SSD,
             checksum=header.checksum or (info[1] if info else 0),
@@ -285,7 +286,7 @@ class StoreServicer:
             header = store_pb2.GetChunk(
                 total_bytes=total,
                 checksum=block.checksum,
-                tier=wire.tier_to_proto(block.tier),
+                tier=tier_to_proto(block.tier),
                 served_from=block.served_from,
             )
             yield wire.encode_get_chunk(header, view[:chunk])
@@ -350,7 +351,7 @@ class StoreServicer:
                     ok=outcome.ok,
                     bytes=outcome.bytes,
                     checksum=outcome.checksum,
-                    tier=wire.tier_to_proto(outcome.tier),
+                    tier=tier_to_proto(outcome.tier),
                     code=outcome.code,
                     error=outcome.error,
                     source_failed=outcome.source_failed,
@@ -367,7 +368,7 @@ class StoreServicer:
         tiers = [self.tiered.locate(k) for k in keys]
         return store_pb2.ExistsResponse(
             exists=[t is not None for t in tiers],
-            tiers=[wire.tier_to_proto(t) for t in tiers],
+            tiers=[tier_to_proto(t) for t in tiers],
         )
 
     @unary_errors
@@ -403,7 +404,7 @@ class StoreServicer:
 def _put_tier(value: int) -> CacheTier:
     if value == 0:
         return CacheTier.CPU_DRAM
-    tier = wire.tier_from_proto(value)
+    tier = tier_from_proto(value)
     if tier not in (CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD):
         raise InvalidArgument(
             f"Put tier must be TIER_CPU_DRAM or TIER_LOCAL_SSD, got {value} ({tier})"

@@ -21,22 +21,13 @@ from dataclasses import dataclass
 
 from quillcache.v1 import common_pb2, store_pb2
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.model import KvBlockKey
 
 DATA_FIELD = 15
 DATA_TAG = bytes([(DATA_FIELD << 3) | 2])  # b"\x7a"
 MAX_VARINT_BYTES = 10
 
 _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
-
-TIER_TO_PROTO = {
-    CacheTier.HBM: common_pb2.TIER_HBM,
-    CacheTier.REMOTE_HBM: common_pb2.TIER_REMOTE_HBM,
-    CacheTier.CPU_DRAM: common_pb2.TIER_CPU_DRAM,
-    CacheTier.LOCAL_SSD: common_pb2.TIER_LOCAL_SSD,
-    CacheTier.OBJECT_STORE: common_pb2.TIER_OBJECT_STORE,
-}
-TIER_FROM_PROTO = {value: tier for tier, value in TIER_TO_PROTO.items()}
 
 
 # --- varints and field walking ----------------------------------------------------------
@@ -234,12 +225,3 @@ def identity_of(key: KvBlockKey) -> common_pb2.Identity:
     if key.adapter_id is not None:
         msg.adapter_id = key.adapter_id
     return msg
-
-
-def tier_to_proto(tier: CacheTier | None) -> int:
-    return common_pb2.TIER_UNSPECIFIED if tier is None else TIER_TO_PROTO[tier]
-
-
-def tier_from_proto(value: int) -> CacheTier | None:
-    """The tier of a proto enum value; None for TIER_UNSPECIFIED or an unknown value."""
-    return TIER_FROM_PROTO.get(value)

@@ -47,6 +47,7 @@ import grpc.aio
 from quillcache.v1 import store_pb2
 from quillcache_core.errors import QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.proto_tiers import tier_to_proto
 from quillcache_core.rpc import status_for
 from quillcache_store import wire
 from quillcache_store.client import StoreClient
@@ -162,7 +163,7 @@ async def copy_block(
                         total_bytes=total,
                         checksum=checksum,
                         durable=opts.durable,
-                        tier=wire.tier_to_proto(opts.tier),
+                        tier=tier_to_proto(opts.tier),
                     )
                     chunk = wire.encode_put_chunk(header, frame.data)
                 else:

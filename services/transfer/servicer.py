@@ -7,6 +7,7 @@ import logging
 from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
 from quillcache_core.errors import InvalidArgument, NotFound
 from quillcache_core.model import CacheTier
+from quillcache_core.proto_tiers import tier_from_proto
 from quillcache_core.registry import NodeRegistry
 from quillcache_core.rpc import stream_errors
 from quillcache_store import wire
@@ -108,7 +109,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         elif request.destination_tier == 0:
             tier = CacheTier.CPU_DRAM
         else:
-            tier = wire.tier_from_proto(request.destination_tier)
+            tier = tier_from_proto(request.destination_tier)
             if tier not in (CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD):
                 raise InvalidArgument("destination_tier must be TIER_CPU_DRAM or TIER_LOCAL_SSD")
         window = request.window or cfg.default_window

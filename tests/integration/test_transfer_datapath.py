@@ -13,6 +13,7 @@ import pytest
 
 from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
 from quillcache_core.model import CacheTier
+from quillcache_core.proto_tiers import tier_to_proto
 from quillcache_store import dataproto, wire
 from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.client import StoreClient
@@ -155,7 +156,7 @@ def test_a_pull_stores_only_whole_verified_blocks(fleet):
         source.close()
     assert [r.index for r in results] == list(range(5))
     assert results[0].ok and results[0].checksum == payload_checksum(payloads[0])
-    assert results[0].tier == wire.tier_to_proto(CacheTier.CPU_DRAM)
+    assert results[0].tier == tier_to_proto(CacheTier.CPU_DRAM)
     assert (results[1].code, results[1].source_failed) == ("DATA_LOSS", True)
     assert "checksum" in results[1].error
     assert results[2].code == "NOT_FOUND" and results[2].error == "gone"

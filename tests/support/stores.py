@@ -10,6 +10,7 @@ import numpy as np
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.proto_tiers import tier_from_proto
 from quillcache_store import wire
 from tests.support.services import ServiceProcess
 
@@ -119,7 +120,7 @@ def locate(conductor: ServiceProcess, key: KvBlockKey) -> list[tuple[str, CacheT
             timeout=5,
         )
     return sorted(
-        (loc.node_id, wire.tier_from_proto(loc.tier))
+        (loc.node_id, tier_from_proto(loc.tier))
         for loc in reply.blocks[0].locations
         if loc.kind == "store"
     )

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from quillcache.v1 import common_pb2, store_pb2
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.proto_tiers import tier_from_proto, tier_to_proto
 from quillcache_store import wire
 
 pytestmark = pytest.mark.unit
@@ -131,5 +132,5 @@ def test_key_conversion_roundtrip_and_validation():
         setattr(msg, field, "")
         with pytest.raises(InvalidArgument, match=field):
             wire.key_from_proto(msg)
-    assert wire.tier_from_proto(wire.tier_to_proto(CacheTier.LOCAL_SSD)) is CacheTier.LOCAL_SSD
-    assert wire.tier_from_proto(0) is None
+    assert tier_from_proto(tier_to_proto(CacheTier.LOCAL_SSD)) is CacheTier.LOCAL_SSD
+    assert tier_from_proto(0) is None
