@@ -326,17 +326,17 @@ class EngineEventTranslator:
         tier: CacheTier,
         stamp: int,
     ) -> None:
-        engine_id, nbytes = self.engine_id, self.bytes_per_block
-        put_chain = getattr(self.index, "put_chain", None)
-        if put_chain is not None:
-            put_chain(scope, parent, ours, first_index, size, engine_id, tier, nbytes, stamp)
-            return
-        records = []
-        for offset, our_hash in enumerate(ours):
-            key = KvBlockKey(*scope, parent, our_hash, first_index + offset, size)
-            records.append(CacheResidency(key, engine_id, tier, nbytes, stamp))
-            parent = our_hash
-        self.index.put_many(records)
+        self.index.put_chain(
+            scope,
+            parent,
+            ours,
+            first_index,
+            size,
+            self.engine_id,
+            tier,
+            self.bytes_per_block,
+            stamp,
+        )
 
     def _stored_one(self, op: _StoredOp, tokens: bytes, stamp: int, result: ApplyResult) -> None:
         """Apply one stored event block by block (the general path)."""

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
-from quillcache_core.model import CacheResidency, IdentityScope, IndexMetrics, KvBlockKey
+from quillcache_core.model import (
+    CacheResidency,
+    CacheTier,
+    IdentityScope,
+    IndexMetrics,
+    KvBlockKey,
+)
 
 
 class IndexBackend(abc.ABC):
@@ -30,6 +36,34 @@ class IndexBackend(abc.ABC):
         """Put several records; persistent backends commit them together."""
         for residency in residencies:
             self.put(residency)
+
+    def put_chain(
+        self,
+        scope: tuple[str, str, str | None, str],
+        parent: str,
+        block_hashes: Sequence[str],
+        first_index: int,
+        token_count: int,
+        worker_id: str,
+        tier: CacheTier,
+        nbytes: int,
+        last_access_ms: int = 0,
+    ) -> list[CacheResidency]:
+        """Put a chain of blocks of one scope, all on one worker and tier; returns the
+        records in chain order.
+
+        Block i's key is KvBlockKey(*scope, prefix, block_hashes[i], first_index + i,
+        token_count), its prefix `parent` for the first block and the previous hash
+        after: put_many of those records (persistent backends commit them together;
+        MemoryIndex builds and links a fresh chain in bulk).
+        """
+        records = []
+        for offset, block_hash in enumerate(block_hashes):
+            key = KvBlockKey(*scope, parent, block_hash, first_index + offset, token_count)
+            records.append(CacheResidency(key, worker_id, tier, nbytes, last_access_ms))
+            parent = block_hash
+        self.put_many(records)
+        return records
 
     @abc.abstractmethod
     def locate(self, key: KvBlockKey) -> list[CacheResidency]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 import lmdb
 import msgpack
@@ -236,28 +236,6 @@ class LmdbIndex(IndexBackend):
             written += self._add_resident_bytes(txn, delta)
         self._puts += count
         self._bytes_written += written
-
-    def put_chain(
-        self,
-        scope: tuple[str, str, str | None, str],
-        parent: str,
-        block_hashes: Sequence[str],
-        first_index: int,
-        token_count: int,
-        worker_id: str,
-        tier: CacheTier,
-        nbytes: int,
-        last_access_ms: int = 0,
-    ) -> list[CacheResidency]:
-        """MemoryIndex.put_chain: a chain of one scope on one worker and tier, in one
-        transaction (put_many of its records); returns the records."""
-        records = []
-        for offset, block_hash in enumerate(block_hashes):
-            key = KvBlockKey(*scope, parent, block_hash, first_index + offset, token_count)
-            records.append(CacheResidency(key, worker_id, tier, nbytes, last_access_ms))
-            parent = block_hash
-        self.put_many(records)
-        return records
 
     def _remove_matching(self, block_hash: str, keep: Callable[[list], bool]) -> int:
         """Delete the records under `block_hash` for which `keep(fields)` is false."""
