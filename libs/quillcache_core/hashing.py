@@ -26,6 +26,7 @@ ROOT_PARENT = "root"
 _ZERO = bytes(16)
 _DOMAIN = b"quillcache/v1/block"
 _BIG_ENDIAN = sys.byteorder == "big"
+_EMPTY = blake2b(digest_size=16)  # never updated: only copied
 
 
 def identity_digest(
@@ -67,18 +68,7 @@ def block_hashes(
     if block_size <= 0:
         raise InvalidArgument(f"block_size must be positive, got {block_size}")
     raw = _token_bytes(tokens)
-    step = block_size * 4
-    full = len(raw) // step
-    prev = bytes.fromhex(parent) if parent else _ZERO
-    out: list[str] = []
-    append = out.append
-    for i in range(full):
-        h = blake2b(prev, digest_size=16)
-        h.update(identity)
-        h.update(raw[i * step : (i + 1) * step])
-        prev = h.digest()
-        append(prev.hex())
-    return out
+    return _chain(raw, 0, len(raw) // (block_size * 4), block_size * 4, identity, parent)
 
 
 def packed_block_hashes(
@@ -105,13 +95,24 @@ def packed_block_hashes(
     start = first_token * 4
     available = max(0, len(packed) - start) // step
     full = available if count is None else min(count, available)
+    return _chain(packed, start, full, step, identity, parent)
+
+
+def _chain(
+    raw: bytes, start: int, full: int, step: int, identity: bytes, parent: str | None
+) -> list[str]:
+    """Hex hashes of the `full` blocks of `step` bytes at `raw[start:]`, chained."""
     prev = bytes.fromhex(parent) if parent else _ZERO
+    # Copying an empty hasher skips the constructor's keyword parsing, about a fifth
+    # of the cost of a 16-token block.
+    fresh = _EMPTY.copy
     digests: list[bytes] = []
     append = digests.append
     for offset in range(start, start + full * step, step):
-        h = blake2b(prev, digest_size=16)
+        h = fresh()
+        h.update(prev)
         h.update(identity)
-        h.update(packed[offset : offset + step])
+        h.update(raw[offset : offset + step])
         prev = h.digest()
         append(prev)
     return list(map(bytes.hex, digests))

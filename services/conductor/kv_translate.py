@@ -21,9 +21,10 @@ Batches are applied as runs: consecutive BlockStored events that continue one ch
 (each one's parent is the previous one's last block, same block size, medium and
 group, as vLLM reports a growing sequence) are hashed in one call over the batch's
 packed token ids, added to the map with one dict update and put in the index with one
-`put_chain` (which builds the keys and records in C-level passes). Whenever a run's blocks are not all new to the map and
-under the cap, its events are applied one by one instead, with exactly the same
-result.
+`put_chain` (which builds the keys and records in C-level passes). A batch that is
+one such run as a whole comes from the decoder as a `StoredRun` (its per-event ops
+are then never built). Whenever a run's blocks are not all new to the map and under
+the cap, its events are applied one by one instead, with exactly the same result.
 
 One translator per engine. Not thread-safe: the owner serialises calls.
 """
@@ -31,7 +32,7 @@ One translator per engine. Not thread-safe: the owner serialises calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
@@ -43,6 +44,7 @@ from quillcache_conductor.kv_wire import (
     DecodedBatch,
     EngineKey,
     EventError,
+    StoredRun,
     bulk_from_events,
     engine_hash,
     engine_key,
@@ -88,20 +90,28 @@ _Identity = tuple[str | None, str, str | None, bytes]
 _Holder = tuple[str, int | None]
 # What we know about one engine block: our key's (block_hash, prefix_hash, block_index,
 # token_count), its identity and the engine copies. A plain tuple of strings, ints and
-# shared tuples of those, built in bulk for a run: CPython stops tracking such a tuple
-# in its cyclic GC after one collection, which matters with millions of entries (the
-# index's own KvBlockKey and CacheResidency stay tracked). A change of holders
-# replaces the entry.
+# shared tuples of those: CPython stops tracking such a tuple in its cyclic GC after one
+# collection, which matters with millions of entries. A change of holders replaces the
+# entry.
 _Entry = tuple[str, str, int, int, _Identity, tuple[_Holder, ...]]
 _HASH, _PREFIX, _INDEX, _SIZE, _IDENT, _HOLDERS = range(6)
+# A block stored by a bulk run is mapped to an int instead: its run's number times _SPAN
+# plus its offset in the run, what the run's blocks share kept once in `_runs`. An int
+# is no object for the cycle collector (a new tuple is, until a collection untracks it)
+# and costs the map nothing beyond its slot. Its _Entry is derived on demand; a change
+# of the block replaces the int with an _Entry. A run goes when its last block does, or
+# hands its remaining blocks their own _Entry once fewer than a quarter of its blocks
+# are left, so a run's shared lists never hold more than 4x the blocks still mapped.
+_SPAN_BITS = 20
+_SPAN = 1 << _SPAN_BITS
+# [our hashes, first block's prefix, first index, block size, identity, holders, blocks
+# still mapped to the run, engine keys]
+_Run = list[Any]
+_LIVE = 6
 
 _new = tuple.__new__
-# A stored op (kv_wire's layout) -> its kind, keys, parent, (block_size, tier, group_idx).
-_kind_of = itemgetter(0)
-_keys_of = itemgetter(2)
-_parent_of = itemgetter(3)
+# A stored op (kv_wire's layout) -> its (block_size, tier, group_idx).
 _shape_of = itemgetter(4, 5, 6)
-_last = itemgetter(-1)
 _StoredOp = tuple[Any, ...]
 
 
@@ -125,7 +135,9 @@ class EngineEventTranslator:
         self.bytes_per_block = bytes_per_block
         self.max_tracked = max_tracked
         self.stats = TranslatorStats()
-        self._blocks: dict[EngineKey, _Entry] = {}
+        self._blocks: dict[EngineKey, _Entry | int] = {}
+        self._runs: dict[int, _Run] = {}
+        self._next_run = 0
         # tier value -> our block hash -> engine copies mapped to it on that tier. Two
         # engine blocks can map to one of ours (e.g. the same placeholder tokens with
         # different images); the index record goes only when the last of them does.
@@ -138,9 +150,10 @@ class EngineEventTranslator:
 
     def key_for(self, engine_hash: str) -> KvBlockKey | None:
         """Our key for a (normalized) engine hash the engine still holds."""
-        entry = self._blocks.get(engine_key(engine_hash))
-        if entry is None:
+        value = self._blocks.get(engine_key(engine_hash))
+        if value is None:
             return None
+        entry = self._entry(value)
         ident = entry[_IDENT]
         return KvBlockKey(
             self.model_id,
@@ -178,12 +191,13 @@ class EngineEventTranslator:
             batch = bulk_from_events(batch)
         result = ApplyResult(applied=0, rejected=list(batch.errors))
         stamp = int(batch.ts * 1000) if batch.ts is not None and batch.ts > 0 else 0
-        ops, tokens = batch.ops, batch.tokens
+        tokens = batch.tokens
+        run = batch.run
+        if run is not None and self._apply_run(run, batch, stamp, result):
+            ops: list[Any] = []  # done
+        else:
+            ops = batch.ops
         position, end = 0, len(ops)
-        if end > 1 and _one_chain(ops):
-            # The whole batch continues one sequence (vLLM reporting a growing request):
-            # no per-event run detection.
-            position = self._stored_from(ops, 0, tokens, stamp, result, end)
         while position < end:
             op = ops[position]
             kind = op[0]
@@ -207,18 +221,68 @@ class EngineEventTranslator:
         """The engine holds nothing (AllBlocksCleared, or it restarted): drop its records."""
         self.stats.clears += 1
         self._blocks.clear()
+        self._runs.clear()
         self._refs.clear()
         return self.index.clear_worker(self.engine_id)
 
-    def _resolve(self, op: _StoredOp) -> tuple[_Identity, str | None, int] | None:
+    def _entry(self, value: _Entry | int) -> _Entry:
+        """The _Entry of a value of the map."""
+        if type(value) is not int:
+            return value
+        run = self._runs[value >> _SPAN_BITS]
+        offset = value & (_SPAN - 1)
+        ours = run[0]
+        prefix = ours[offset - 1] if offset else run[1]
+        return (ours[offset], prefix, run[2] + offset, run[3], run[4], run[5])
+
+    def _forget(self, value: _Entry | int) -> None:
+        """A value left the map (its block is gone, or it is replaced by an _Entry)."""
+        if type(value) is not int:
+            return
+        run_id = value >> _SPAN_BITS
+        run = self._runs[run_id]
+        run[_LIVE] -= 1
+        if not run[_LIVE]:
+            del self._runs[run_id]
+        elif run[_LIVE] * 4 < len(run[0]):
+            # Few blocks left: give them their own entries and let the run's lists go.
+            blocks = self._blocks
+            base = run_id << _SPAN_BITS
+            for value_of_block, key_of_engine in enumerate(run[7], base):
+                if blocks.get(key_of_engine) == value_of_block:
+                    blocks[key_of_engine] = self._entry(value_of_block)
+            del self._runs[run_id]
+
+    def _apply_run(self, run: StoredRun, batch: BulkBatch, stamp: int, result: ApplyResult) -> bool:
+        """Apply a batch that is one chain (the decoder's StoredRun): in one step when its
+        blocks are all new and fit, else event by event. Returns False, having changed
+        nothing, if the chain's first parent is unknown (the general loop then rejects
+        event by event)."""
+        resolved = self._resolve(run.parent, run.lora_name, run.cache_salt)
+        if resolved is None:
+            return False
+        tokens = batch.tokens
+        if self._store_run(
+            run.keys, run.block_size, run.tier, run.group_idx, 0, resolved, tokens, stamp
+        ):
+            result.applied += run.events
+        else:
+            for op in batch.ops:
+                self._stored_one(op, tokens, stamp, result)
+        return True
+
+    def _resolve(
+        self, parent: EngineKey | None, lora_name: str | None, cache_salt: str | None
+    ) -> tuple[_Identity, str | None, int] | None:
         """(identity, our parent hash, first block index) of a stored event, None if its
         parent is unknown."""
-        if op[3] is None:
-            return self.identity(op[7], op[8]), None, 0
-        parent = self._blocks.get(op[3])
         if parent is None:
+            return self.identity(lora_name, cache_salt), None, 0
+        value = self._blocks.get(parent)
+        if value is None:
             return None
-        return parent[_IDENT], parent[_HASH], parent[_INDEX] + 1
+        entry = self._entry(value)
+        return entry[_IDENT], entry[_HASH], entry[_INDEX] + 1
 
     def _unknown_parent(self, op: _StoredOp, result: ApplyResult) -> None:
         self.stats.unknown_parent += 1
@@ -226,39 +290,30 @@ class EngineEventTranslator:
         result.rejected.append(EventError(op[1], "unknown_parent", detail))
 
     def _stored_from(
-        self,
-        ops: list[Any],
-        first: int,
-        tokens: bytes,
-        stamp: int,
-        result: ApplyResult,
-        stop: int = 0,
+        self, ops: list[Any], first: int, tokens: bytes, stamp: int, result: ApplyResult
     ) -> int:
-        """Apply the run of stored events starting at ops[first] (up to `stop` if the
-        caller knows where it ends); returns the next position."""
+        """Apply the run of stored events starting at ops[first]; returns the next
+        position."""
         op = ops[first]
-        resolved = self._resolve(op)
+        resolved = self._resolve(op[3], op[7], op[8])
         if resolved is None:
             self._unknown_parent(op, result)
             return first + 1
-        if stop:
-            engine_keys = list(chain.from_iterable(map(_keys_of, ops[first:stop])))
-        else:
-            stop = first + 1
-            shape = _shape_of(op)
-            engine_keys = op[2]
+        stop = first + 1
+        shape = _shape_of(op)
+        engine_keys = op[2]
+        last = engine_keys[-1]
+        # Consecutive stored ops' token ids are consecutive, so only the chain and the
+        # shape decide.
+        for nxt in ops[first + 1 :]:
+            if nxt[0] != OP_STORED or nxt[3] != last or _shape_of(nxt) != shape:
+                break
+            if stop == first + 1:
+                engine_keys = list(engine_keys)
+            engine_keys += nxt[2]
             last = engine_keys[-1]
-            # Consecutive stored ops' token ids are consecutive, so only the chain and
-            # the shape decide.
-            for nxt in ops[first + 1 :]:
-                if nxt[0] != OP_STORED or nxt[3] != last or _shape_of(nxt) != shape:
-                    break
-                if stop == first + 1:
-                    engine_keys = list(engine_keys)
-                engine_keys += nxt[2]
-                last = engine_keys[-1]
-                stop += 1
-        if self._store_run(engine_keys, op, resolved, tokens, stamp):
+            stop += 1
+        if self._store_run(engine_keys, op[4], op[5], op[6], op[9], resolved, tokens, stamp):
             result.applied += stop - first
             return stop
         for position in range(first, stop):
@@ -268,22 +323,24 @@ class EngineEventTranslator:
     def _store_run(
         self,
         engine_keys: list[EngineKey],
-        op: _StoredOp,
+        size: int,
+        tier: CacheTier,
+        group_idx: int | None,
+        first_token: int,
         resolved: tuple[_Identity, str | None, int],
         tokens: bytes,
         stamp: int,
     ) -> bool:
-        """Map and index a run of blocks in bulk if they are all new and fit under the
-        cap (then it is what applying its events one by one would do); else change
-        nothing and return False."""
+        """Map and index a run of blocks (token ids from `first_token` of `tokens`) in
+        bulk if they are all new and fit under the cap (then it is what applying its
+        events one by one would do); else change nothing and return False."""
         blocks = self._blocks
         count = len(engine_keys)
-        if len(blocks) + count > self.max_tracked:
+        if len(blocks) + count > self.max_tracked or not blocks.keys().isdisjoint(engine_keys):
             return False
         ident, parent_hash, first_index = resolved
-        size, tier = op[4], op[5]
         ours = packed_block_hashes(
-            tokens, size, ident[3], parent_hash, first_token=op[9], count=count
+            tokens, size, ident[3], parent_hash, first_token=first_token, count=count
         )
         if len(ours) != count:
             return False  # too few token ids: the per-event path raises the error
@@ -291,28 +348,48 @@ class EngineEventTranslator:
         refs = self._refs.get(tier_value)
         if refs is None:
             refs = self._refs[tier_value] = {}
-        prefixes = [parent_hash if parent_hash is not None else ROOT_PARENT]
-        prefixes += ours[:-1]
-        holders = ((tier_value, op[6]),)
-        entries = zip(
-            ours,
-            prefixes,
-            range(first_index, first_index + count),
-            repeat(size),
-            repeat(ident),
-            repeat(holders),
-        )
-        fresh = dict(zip(engine_keys, entries, strict=True))
         # A chain's own hashes never repeat (each folds in its parent), so new engine
         # keys and our hashes unseen on this tier make every block a plain insert.
-        if len(fresh) != count or not blocks.keys().isdisjoint(fresh):
-            return False
         if not refs.keys().isdisjoint(ours):
             return False
-        blocks.update(fresh)
-        refs.update(dict.fromkeys(ours, 1))
+        parent = parent_hash if parent_hash is not None else ROOT_PARENT
+        holders = ((tier_value, group_idx),)
+        run_id = self._next_run
+        values: Any
+        if count < _SPAN:
+            values = range(run_id << _SPAN_BITS, (run_id << _SPAN_BITS) + count)
+        else:
+            prefixes = [parent, *ours[:-1]]
+            values = zip(
+                ours,
+                prefixes,
+                range(first_index, first_index + count),
+                repeat(size),
+                repeat(ident),
+                repeat(holders),
+            )
+        before = len(blocks)
+        blocks.update(zip(engine_keys, values, strict=True))
+        if len(blocks) - before != count:
+            # An engine key repeats within the run: undo (all were new), go event by event.
+            for key_of_engine in engine_keys:
+                blocks.pop(key_of_engine, None)
+            return False
+        if count < _SPAN:
+            self._runs[run_id] = [
+                ours,
+                parent,
+                first_index,
+                size,
+                ident,
+                holders,
+                count,
+                engine_keys,
+            ]
+            self._next_run = run_id + 1
+        refs.update(zip(ours, repeat(1)))
         scope = (self.model_id, self.tokenizer_id, ident[0], ident[1])
-        self._put_chain(scope, prefixes[0], ours, first_index, size, tier, stamp)
+        self._put_chain(scope, parent, ours, first_index, size, tier, stamp)
         self.stats.blocks_stored += count
         return True
 
@@ -340,7 +417,7 @@ class EngineEventTranslator:
 
     def _stored_one(self, op: _StoredOp, tokens: bytes, stamp: int, result: ApplyResult) -> None:
         """Apply one stored event block by block (the general path)."""
-        resolved = self._resolve(op)
+        resolved = self._resolve(op[3], op[7], op[8])
         if resolved is None:
             self._unknown_parent(op, result)
             return
@@ -368,7 +445,8 @@ class EngineEventTranslator:
             )
             mine = (our_hash, prefix, block_index, size, ident, holders)
             prefix = our_hash
-            entry = blocks.get(key_of_engine)
+            value = blocks.get(key_of_engine)
+            entry = None if value is None else self._entry(value)
             if entry is None:
                 if len(blocks) >= self.max_tracked:
                     self.stats.overflow += 1
@@ -379,6 +457,7 @@ class EngineEventTranslator:
                 self._drop_entry(key_of_engine, entry)
                 blocks[key_of_engine] = mine
             elif holder not in entry[_HOLDERS]:
+                self._forget(value)
                 blocks[key_of_engine] = (*entry[:_HOLDERS], (*entry[_HOLDERS], holder))
             else:
                 residencies.append(CacheResidency(key, engine_id, tier, nbytes, stamp))
@@ -393,11 +472,13 @@ class EngineEventTranslator:
         blocks = self._blocks
         holder = (op[3]._value_, op[4])
         for key_of_engine in op[2]:
-            entry = blocks.get(key_of_engine)
+            value = blocks.get(key_of_engine)
+            entry = None if value is None else self._entry(value)
             if entry is None or holder not in entry[_HOLDERS]:
                 self.stats.unknown_removed += 1
                 continue
             holders = entry[_HOLDERS]
+            self._forget(value)
             if len(holders) == 1:
                 del blocks[key_of_engine]
             else:
@@ -420,18 +501,4 @@ class EngineEventTranslator:
     def _drop_entry(self, key_of_engine: EngineKey, entry: _Entry) -> None:
         for tier, _group in entry[_HOLDERS]:
             self._release(entry[_HASH], tier)
-        del self._blocks[key_of_engine]
-
-
-def _one_chain(ops: list[Any]) -> bool:
-    """Whether every op is a stored event continuing the previous one's chain with its
-    block size, tier and group (checked a column at a time, in C)."""
-    count = len(ops)
-    if list(map(_kind_of, ops)).count(OP_STORED) != count:
-        return False
-    parents = list(map(_parent_of, ops))
-    lasts = list(map(_last, map(_keys_of, ops)))
-    if parents[1:] != lasts[:-1]:
-        return False
-    shapes = list(map(_shape_of, ops))
-    return shapes.count(shapes[0]) == count
+        self._forget(self._blocks.pop(key_of_engine))

@@ -25,13 +25,16 @@ buffer, and the type and range checks run once per batch in C (`set(map(type, ..
 `min`, `max`, `array("I", ..)`). Any event that is not in the common valid shape, and
 any batch whose bulk checks fail, goes through the per-event decoder above, so both
 functions accept and reject exactly the same things (a property test holds them
-equal).
+equal). A batch whose events all continue one chain with one shape (vLLM reporting a
+growing sequence) also comes as a `StoredRun`, which the translator applies in one
+step; its per-event ops are then built only if something asks for them.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, repeat
 from operator import itemgetter, mul
@@ -50,6 +53,7 @@ __all__ = [
     "OP_REMOVED",
     "OP_STORED",
     "BulkBatch",
+    "StoredRun",
     "DecodedBatch",
     "EngineKey",
     "EngineAllCleared",
@@ -439,6 +443,11 @@ OP_STORED, OP_REMOVED, OP_CLEARED, OP_INVALID = 0, 1, 2, 3
 
 _BIG_ENDIAN = sys.byteorder == "big"
 _last = itemgetter(-1)
+# A stored op's kind, keys, parent and (block_size, tier, group_idx).
+_kind_of = itemgetter(0)
+_keys_of = itemgetter(2)
+_parent_of = itemgetter(3)
+_shape_of = itemgetter(4, 5, 6)
 
 
 def engine_key(engine_hash: str) -> EngineKey:
@@ -478,25 +487,77 @@ def _unpack_tokens(packed: bytes, start: int, count: int) -> tuple[int, ...]:
     return tuple(ids.tolist())
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class StoredRun:
+    """A batch whose events are all BlockStored, each continuing the previous one's
+    chain with the same block size, tier and group: vLLM reporting a growing sequence,
+    which the translator applies in one step.
+
+    Later events inherit the identity through the chain, so only the first event's
+    parent, LoRA name and salt are kept. The blocks' token ids are the batch's whole
+    packed buffer, in order.
+    """
+
+    keys: list[EngineKey]  # every block's engine key, in chain order
+    parent: EngineKey | None  # the first event's parent
+    block_size: int
+    tier: CacheTier
+    group_idx: int | None
+    lora_name: str | None
+    cache_salt: str | None
+    events: int
+
+
 class BulkBatch:
     """A decoded batch as ops in wire order (tuples, layout above).
 
-    `tokens` packs every stored op's token ids as little-endian u32. `events` and
-    `positions` materialize the same events decode_batch returns (on first access), so
-    a BulkBatch reads like a DecodedBatch.
+    `tokens` packs every stored op's token ids as little-endian u32. When the whole
+    batch is one chain (`run` is set), the ops are built only if asked for. `events`
+    and `positions` materialize the same events decode_batch returns (on first
+    access), so a BulkBatch reads like a DecodedBatch.
     """
 
-    ts: float | None
-    dp_rank: int | None
-    ops: list[tuple[Any, ...]] = field(default_factory=list)
-    tokens: bytes = b""
-    errors: list[EventError] = field(default_factory=list)
-    _events: list[EngineEvent] | None = None
+    __slots__ = ("ts", "dp_rank", "tokens", "errors", "run", "_ops", "_make_ops", "_events")
+
+    def __init__(
+        self,
+        ts: float | None,
+        dp_rank: int | None,
+        ops: list[tuple[Any, ...]] | None = None,
+        tokens: bytes = b"",
+        errors: list[EventError] | None = None,
+        *,
+        run: StoredRun | None = None,
+        make_ops: Callable[[], list[tuple[Any, ...]]] | None = None,
+    ) -> None:
+        self.ts = ts
+        self.dp_rank = dp_rank
+        self.tokens = tokens
+        self.errors = [] if errors is None else errors
+        self.run = run
+        if make_ops is None:
+            self._ops: list[tuple[Any, ...]] | None = [] if ops is None else ops
+        else:
+            self._ops = None
+        self._make_ops: Callable[[], list[tuple[Any, ...]]] = make_ops or list
+        self._events: list[EngineEvent] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"BulkBatch(ts={self.ts!r}, dp_rank={self.dp_rank!r}, events={self.event_count}, "
+            f"errors={self.errors!r}, run={self.run is not None})"
+        )
+
+    @property
+    def ops(self) -> list[tuple[Any, ...]]:
+        if self._ops is None:
+            self._ops = self._make_ops()
+            self._make_ops = list
+        return self._ops
 
     @property
     def event_count(self) -> int:
-        return len(self.ops)
+        return self.run.events if self._ops is None and self.run is not None else len(self.ops)
 
     @property
     def positions(self) -> list[int]:
@@ -567,10 +628,29 @@ def bulk_from_events(batch: DecodedBatch) -> BulkBatch:
         tokens = _pack_tokens(flat)
     except (OverflowError, TypeError) as exc:
         raise InvalidArgument(f"token ids must be integers in [0, 2**32): {exc}") from None
-    return BulkBatch(batch.ts, batch.dp_rank, ops, tokens, list(batch.errors))
+    return BulkBatch(batch.ts, batch.dp_rank, ops, tokens, list(batch.errors), run=_run_of(ops))
+
+
+def _run_of(ops: list[tuple[Any, ...]]) -> StoredRun | None:
+    """The StoredRun of `ops` if they are all stored events forming one chain of one
+    shape (checked a column at a time, in C), else None."""
+    count = len(ops)
+    if not count or list(map(_kind_of, ops)).count(OP_STORED) != count or ops[0][9] != 0:
+        return None
+    parents = list(map(_parent_of, ops))
+    lasts = list(map(_last, map(_keys_of, ops)))
+    if parents[1:] != lasts[:-1]:
+        return None
+    shapes = list(map(_shape_of, ops))
+    if shapes.count(shapes[0]) != count:
+        return None
+    keys = ops[0][2] if count == 1 else list(chain.from_iterable(map(_keys_of, ops)))
+    _, _, _, parent, size, tier, group, lora, salt, _ = ops[0]
+    return StoredRun(keys, parent, size, tier, group, lora, salt, count)
 
 
 _Ops = tuple[list[tuple[Any, ...]], bytes, list[EventError]]
+_Columnar = tuple[Callable[[], list[tuple[Any, ...]]], bytes, StoredRun | None]
 
 
 def _reference_ops(raw_events: list[Any]) -> _Ops:
@@ -585,19 +665,24 @@ def _reference_ops(raw_events: list[Any]) -> _Ops:
     return ops, _pack_tokens(flat), decoded.errors
 
 
-def _columnar_ops(raw_events: list[Any]) -> _Ops | None:
-    """Ops of a batch of array-form BlockStored events of one length, field by field.
+def _columnar_ops(raw_events: list[Any]) -> _Columnar | None:
+    """A batch of array-form BlockStored events of one length, decoded field by field.
 
-    Every check runs over a whole column in C. Returns None if the batch is not that
-    shape or any value needs the per-event decoder (a wrong type, an empty LoRA name).
+    Every check runs over a whole column in C. Returns (a function building the ops,
+    the packed token ids, the StoredRun if the batch is one), or None if the batch is
+    not that shape or any value needs the per-event decoder (a wrong type, an empty
+    LoRA name).
     """
     count = len(raw_events)
     if set(map(type, raw_events)) != {list}:
         return None
     width = len(raw_events[0])
-    if width < 5 or list(map(len, raw_events)).count(width) != count:
+    if width < 5:
         return None
-    columns = list(zip(*raw_events, strict=True))
+    try:
+        columns = list(zip(*raw_events, strict=True))
+    except ValueError:  # events of different lengths
+        return None
     if columns[0].count("BlockStored") != count:
         return None
     hashes, parents, tokens, sizes = columns[1], columns[2], columns[3], columns[4]
@@ -614,60 +699,106 @@ def _columnar_ops(raw_events: list[Any]) -> _Ops | None:
         return None
     optional = {type(None), str}
     if width > 6:
-        if not set(map(type, columns[6])) <= optional:
+        try:
+            media = set(columns[6])
+        except TypeError:  # an unhashable medium
             return None
-        if not all(medium in _TIER_CACHE for medium in set(columns[6])):
+        # The cache's keys are None and names already parsed: anything else (another
+        # type, a name never seen) goes to the per-event decoder.
+        if not _TIER_CACHE.keys() >= media:
             return None
-        tiers: Any = list(map(_TIER_CACHE.__getitem__, columns[6]))
+        if len(media) == 1:
+            tiers: Any = [_TIER_CACHE[next(iter(media))]] * count
+        else:
+            tiers = list(map(_TIER_CACHE.__getitem__, columns[6]))
     else:
-        tiers = repeat(CacheTier.HBM, count)
+        tiers = [CacheTier.HBM] * count
     loras: Any = repeat(None, count)
     if width > 7:
         if not set(map(type, columns[7])) <= optional or "" in columns[7]:
             return None
         loras = columns[7]
-    salts: Any = repeat(None, count)
+    extras: Any = None
     if width > 8:
         extra_types = set(map(type, columns[8]))
         if not extra_types <= {type(None), list}:
             return None
         if list in extra_types:
-            salts = [
-                None if extra is None else _salt_from_extra_keys(extra, lora)
-                for extra, lora in zip(columns[8], columns[7], strict=True)
-            ]
+            extras = columns[8]
     groups: Any = repeat(None, count)
     if width > 9:
         if not set(map(type, columns[9])) <= {type(None), int}:
             return None
         groups = columns[9]
-    hash_values = list(chain.from_iterable(hashes))
-    hash_values += [p for p in parents if p is not None]
-    kind = _hash_kind(hash_values)
+    keys = list(chain.from_iterable(hashes))
+    lasts = keys if len(keys) == count else list(map(_last, hashes))
+    # One chain: each event's parent is the previous event's last block. Equal values
+    # of one hash type (checked next) are equal hashes, so only the first parent needs
+    # its own check.
+    one_chain = list(parents[1:]) == lasts[:-1]
+    if not one_chain:
+        checked = keys + [p for p in parents if p is not None]
+    elif parents[0] is not None:
+        checked = [*keys, parents[0]]
+    else:
+        checked = keys
+    kind = _hash_kind(checked)
     if kind is None:
         return None
+    if one_chain and count > 1:
+        # Equal is not enough: 1.0 and True equal 1 but are no hashes.
+        if set(map(type, parents[1:])) != {bytes if kind == "bytes" else int}:
+            return None
     packed = _checked_tokens(list(chain.from_iterable(tokens)))
     if packed is None:
         return None
     if kind == "i64":
-        hashes = [[h & _U64_MASK for h in keys] for keys in hashes]
+        hashes = [[h & _U64_MASK for h in ks] for ks in hashes]
         parents = [None if p is None else p & _U64_MASK for p in parents]
-    starts = accumulate(token_counts, initial=0)
-    ops = list(
-        zip(
-            repeat(OP_STORED),
-            range(count),
-            hashes,
-            parents,
-            sizes,
-            tiers,
-            groups,
-            loras,
-            salts,
-            starts,
+        keys = list(chain.from_iterable(hashes))
+
+    def make_ops() -> list[tuple[Any, ...]]:
+        salts: Any = repeat(None, count)
+        if extras is not None:
+            salts = [
+                None if extra is None else _salt_from_extra_keys(extra, lora)
+                for extra, lora in zip(extras, columns[7], strict=True)
+            ]
+        return list(
+            zip(
+                repeat(OP_STORED),
+                range(count),
+                hashes,
+                parents,
+                sizes,
+                tiers,
+                groups,
+                loras,
+                salts,
+                accumulate(token_counts, initial=0),
+            )
         )
-    )
-    return ops, packed, []
+
+    run = None
+    if (
+        one_chain
+        and sizes.count(sizes[0]) == count
+        and tiers.count(tiers[0]) == count
+        and (width <= 9 or groups.count(groups[0]) == count)
+    ):
+        lora = columns[7][0] if width > 7 else None
+        extra = extras[0] if extras is not None else None
+        run = StoredRun(
+            keys,
+            parents[0],
+            sizes[0],
+            tiers[0],
+            columns[9][0] if width > 9 else None,
+            lora,
+            None if extra is None else _salt_from_extra_keys(extra, lora),
+            count,
+        )
+    return make_ops, packed, run
 
 
 def _fast_ops(raw_events: list[Any]) -> _Ops | None:
@@ -804,6 +935,11 @@ def _hash_kind(values: list[Any]) -> str | None:
     every value is a hash the per-event decoder accepts, else None."""
     types = set(map(type, values))
     if types == {int}:
+        try:
+            array("Q", values)  # every value in [0, 2**64): the common case, one C pass
+            return "u64"
+        except OverflowError:
+            pass
         low = min(values)
         if low < _I64_MIN or max(values) >= _U64_END:
             return None
@@ -837,13 +973,16 @@ def decode_bulk(payload: bytes) -> BulkBatch:
     ts, raw_events, rank = _unpack(payload)
     errors: list[EventError] = []
     out_ts, out_rank = _batch_fields(ts, rank, errors)
-    result = None
     if raw_events:
-        result = _columnar_ops(raw_events)
-        if result is None:
-            result = _fast_ops(raw_events)
+        columnar = _columnar_ops(raw_events)
+        if columnar is not None:
+            make_ops, packed, run = columnar
+            if run is not None:
+                return BulkBatch(out_ts, out_rank, None, packed, errors, run=run, make_ops=make_ops)
+            return BulkBatch(out_ts, out_rank, make_ops(), packed, errors)
+    result = _fast_ops(raw_events) if raw_events else None
     if result is None:
         result = _reference_ops(raw_events)
     ops, packed, event_errors = result
     errors.extend(event_errors)
-    return BulkBatch(out_ts, out_rank, ops, packed, errors)
+    return BulkBatch(out_ts, out_rank, ops, packed, errors, run=_run_of(ops))

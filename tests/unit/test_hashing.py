@@ -110,3 +110,22 @@ def test_packed_block_hashes_equal_block_hashes_run_by_run():
     assert packed_block_hashes(packed, 16, IDENT, whole[8], first_token=144, count=9) == whole[9:]
     with pytest.raises(InvalidArgument):
         packed_block_hashes(packed, 0, IDENT)
+
+
+def test_hashes_follow_the_documented_formula():
+    """h[i] = BLAKE2b-128(h[i-1] || identity digest || block i as little-endian u32),
+    computed here from hashlib directly: a faster implementation must not move a hash,
+    or the gateway and the conductor (and stored records) stop agreeing."""
+    import hashlib
+
+    tokens = [(i * 104729) % 70000 for i in range(3 * 16)]
+    prev = bytes(16)
+    expected = []
+    for block in range(3):
+        data = b"".join(t.to_bytes(4, "little") for t in tokens[block * 16 : (block + 1) * 16])
+        prev = hashlib.blake2b(prev + IDENT + data, digest_size=16).digest()
+        expected.append(prev.hex())
+    assert block_hashes(tokens, 16, IDENT) == expected
+    assert block_hashes(tokens[16:], 16, IDENT, expected[0]) == expected[1:]
+    packed = b"".join(t.to_bytes(4, "little") for t in tokens)
+    assert packed_block_hashes(packed, 16, IDENT, expected[0], first_token=16) == expected[1:]

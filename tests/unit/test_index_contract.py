@@ -293,8 +293,8 @@ def test_put_chain_is_put_many_of_the_chain(index: IndexBackend) -> None:
     index.put(rec(chain[1], "w0", nbytes=7))  # one already there
     sibling = rec(key("x", parent="a", block_index=1), "w1")
     index.put(sibling)  # under the same parent
-    records = index.put_chain(scope, "root", ["a", "b", "c"], 0, 16, "w0", CacheTier.HBM, 100, 9)
-    assert records == [CacheResidency(k, "w0", CacheTier.HBM, 100, 9) for k in chain]
+    index.put_chain(scope, "root", ["a", "b", "c"], 0, 16, "w0", CacheTier.HBM, 100, 9)
+    records = [CacheResidency(k, "w0", CacheTier.HBM, 100, 9) for k in chain]
     for k, r in zip(chain, records, strict=True):
         assert index.locate(k) == [r]
     assert bag(index.prefix_scan(chain[0].scope(), "a")) == bag([records[1], sibling])
@@ -303,13 +303,106 @@ def test_put_chain_is_put_many_of_the_chain(index: IndexBackend) -> None:
     assert (m.puts, m.resident_bytes) == (5, 300 + 1000)
     # A fresh chain (the bulk path) under another scope, chained from an existing block.
     other = ("m0", "tok", "lora", "t1")
-    more = index.put_chain(other, "c", ["d", "e"], 3, 16, "w1", CacheTier.CPU_DRAM, 5)
-    assert [r.key for r in more] == [
-        KvBlockKey("m0", "tok", "lora", "t1", "c", "d", 3, 16),
-        KvBlockKey("m0", "tok", "lora", "t1", "d", "e", 4, 16),
+    index.put_chain(other, "c", ["d", "e"], 3, 16, "w1", CacheTier.CPU_DRAM, 5)
+    more = [index.locate_hash("d"), index.locate_hash("e")]
+    assert [[r.key for r in found] for found in more] == [
+        [KvBlockKey("m0", "tok", "lora", "t1", "c", "d", 3, 16)],
+        [KvBlockKey("m0", "tok", "lora", "t1", "d", "e", 4, 16)],
     ]
-    assert index.prefix_scan(IdentityScope(*other), "d") == [more[1]]
+    assert index.prefix_scan(IdentityScope(*other), "d") == more[1]
     assert index.prefix_scan(IdentityScope("m0", "tok", None, "t0"), "d") == []
+
+
+_SCOPE = ("m0", "tok", None, "t0")
+_CHAIN = ["a", "b", "c", "d"]
+_T1 = IdentityScope("m0", "tok", None, "t1")
+# What one can do to a freshly put chain's blocks before anything read them.
+_AFTER_CHAIN = {
+    "locate": lambda i: i.locate(key("c", parent="b", block_index=2)),
+    "locate_hash": lambda i: i.locate_hash("b"),
+    "locate_hashes": lambda i: i.locate_hashes(["a", "x", "d"]),
+    "locate_prefix": lambda i: i.locate_prefix(["a", "b", "x", "d"]),
+    "put_same_slot": lambda i: i.put(rec(key("b", parent="a", block_index=1), "w0", nbytes=7)),
+    "put_other_worker": lambda i: i.put(rec(key("b", parent="a", block_index=1), "w1")),
+    "put_other_identity": lambda i: i.put(rec(key("c", tenant="t1", parent="b"), "w0")),
+    "remove_tier": lambda i: i.remove_tier("w0", "d", CacheTier.HBM),
+    "remove_tier_other": lambda i: i.remove_tier("w0", "d", CacheTier.CPU_DRAM),
+    "remove_block": lambda i: i.remove_block(key().scope(), "w0", "a"),
+    "remove_block_other_scope": lambda i: i.remove_block(_T1, "w0", "a"),
+    "clear_worker": lambda i: i.clear_worker("w0"),
+    "clear_other_worker": lambda i: i.clear_worker("w1"),
+    "clear": lambda i: i.clear(),
+    "prefix_scan": lambda i: i.prefix_scan(key().scope(), "b"),
+    "put_chain_overlapping": lambda i: i.put_chain(
+        _SCOPE, "b", ["c", "y"], 2, 16, "w1", CacheTier.HBM, 100
+    ),
+}
+
+
+@pytest.mark.parametrize("first", sorted(_AFTER_CHAIN))
+@pytest.mark.parametrize("then", ["locate_prefix", "clear_worker", "put_same_slot"])
+def test_a_chain_answers_like_put_many_of_its_records(index: IndexBackend, first, then) -> None:
+    """MemoryIndex defers a fresh chain's records until a read or write touches it:
+    whatever touches it first, every later answer is put_many's."""
+    reference = MemoryIndex()
+    index.put(rec(key("z", parent="q"), "w0"))
+    reference.put(rec(key("z", parent="q"), "w0"))
+    index.put_chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100, 9)
+    reference.put_many(
+        [
+            CacheResidency(key(h, parent=p, block_index=n), "w0", CacheTier.HBM, 100, 9)
+            for n, (h, p) in enumerate(zip(_CHAIN, ["root", *_CHAIN[:-1]], strict=True))
+        ]
+    )
+    assert len(index) == 5 and index.worker_block_count("w0") == 5
+    for step in (first, then):
+        got, want = _AFTER_CHAIN[step](index), _AFTER_CHAIN[step](reference)
+        if isinstance(got, list) and got and isinstance(got[0], list):
+            assert [bag(g) for g in got] == [bag(w) for w in want], step
+        elif isinstance(got, list):
+            assert bag(got) == bag(want), step
+        else:
+            assert got == want, step
+        assert len(index) == len(reference), step
+        for worker in ("w0", "w1"):
+            assert index.worker_block_count(worker) == reference.worker_block_count(worker)
+        m, r = index.metrics(), reference.metrics()
+        assert (m.resident_blocks, m.resident_bytes, m.puts, m.removes) == (
+            r.resident_blocks,
+            r.resident_bytes,
+            r.puts,
+            r.removes,
+        ), step
+    assert bag(index.snapshot()) == bag(reference.snapshot())
+
+
+def test_clear_worker_drops_a_chain_nothing_read() -> None:
+    idx = MemoryIndex()
+    idx.put_chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100)
+    idx.put_chain(_SCOPE, "root", ["p", "q"], 0, 16, "w1", CacheTier.HBM, 100)
+    assert idx.clear_worker("w0") == 4
+    assert idx.locate_prefix(_CHAIN) == [] and len(idx) == 2
+    assert [r.key.block_hash for found in idx.locate_prefix(["p", "q"]) for r in found] == [
+        "p",
+        "q",
+    ]
+    assert (idx.metrics().resident_bytes, idx.worker_block_count("w0")) == (200, 0)
+
+
+def test_removing_a_chain_block_by_block_leaves_nothing_behind() -> None:
+    idx = MemoryIndex()
+    idx.put_chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100)
+    assert idx.remove_tier("w0", "b", CacheTier.CPU_DRAM) == 0
+    assert idx.remove_block(_T1, "w0", "b") == 0
+    assert idx.remove_tier("w1", "b", CacheTier.HBM) == 0
+    assert idx.remove_tier("w0", "b", CacheTier.HBM) == 1
+    assert idx.remove_tier("w0", "b", CacheTier.HBM) == 0
+    assert idx.worker_block_count("w0") == 3 and len(idx) == 3
+    for block_hash in ("a", "c"):
+        assert idx.remove_block(key().scope(), "w0", block_hash) == 1
+    assert idx.remove_tier("w0", "d", "gpu") == 1
+    assert len(idx) == 0 and idx.worker_block_count("w0") == 0
+    assert (idx._by_hash, idx._by_worker, idx.metrics().removes) == ({}, {}, 4)
 
 
 def test_open_index_rejects_unknown_backend_and_lmdb_without_path(tmp_path: Path) -> None:
@@ -395,8 +488,11 @@ def test_lmdb_refuses_calls_after_close(tmp_path: Path) -> None:
         idx.locate_hash("h1")
 
 
-def test_memory_index_drops_emptied_containers() -> None:
+@pytest.mark.parametrize("scanned", [False, True])
+def test_memory_index_drops_emptied_containers(scanned: bool) -> None:
     idx = MemoryIndex()
+    if scanned:  # the parent-hash index exists (and is kept) from the first scan on
+        assert idx.prefix_scan(IdentityScope("m0", "tok", None, "t0"), "p") == []
     k = key(parent="p")
     idx.put_many([rec(k, w, t) for w in ("w0", "w1") for t in (CacheTier.HBM, CacheTier.CPU_DRAM)])
     idx.put(rec(key(tenant="t1", parent="p")))
@@ -405,7 +501,7 @@ def test_memory_index_drops_emptied_containers() -> None:
     idx.clear_worker("w1")
     idx.remove_block(IdentityScope("m0", "tok", None, "t1"), "w0", "h1")
     assert len(idx) == 0
-    assert (idx._by_hash, idx._by_prefix, idx._by_worker) == ({}, {}, {})
+    assert (idx._by_hash, idx._by_prefix, idx._by_worker) == ({}, {} if scanned else None, {})
 
 
 # --- property test: every backend against a trivially simple model ---------------------
@@ -506,18 +602,15 @@ class IndexVsModel(RuleBasedStateMachine):
         stamp: int,
     ) -> None:
         fields = (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id)
-        records = self.index.put_chain(
-            fields, parent, chain, first_index, 16, worker, tier, nbytes, stamp
-        )
+        self.index.put_chain(fields, parent, chain, first_index, 16, worker, tier, nbytes, stamp)
         expected = []
         for offset, block_hash in enumerate(chain):
             k = KvBlockKey(*fields, parent, block_hash, first_index + offset, 16)
             expected.append(CacheResidency(k, worker, tier, nbytes, stamp))
             parent = block_hash
-        assert records == expected
-        for r in records:
+        for r in expected:
             self.model[(r.key, r.worker_id, r.tier)] = r
-        self.puts += len(records)
+        self.puts += len(expected)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), nbytes=st.integers(0, 1 << 20))

@@ -15,7 +15,8 @@ from tests.unit.factories import make_request
 
 pytestmark = pytest.mark.unit
 
-KEYS = make_request(6).blocks + make_request(4, tenant="globex").blocks
+CHAIN = 6  # KEYS[:CHAIN] is one chain
+KEYS = make_request(CHAIN).blocks + make_request(4, tenant="globex").blocks
 WORKERS = ("e0", "e1", "s0")
 TIERS = (CacheTier.HBM, CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD)
 
@@ -36,6 +37,13 @@ ops = st.lists(
         st.tuples(
             st.just("remove_block"), st.sampled_from(range(len(KEYS))), st.sampled_from(WORKERS)
         ),
+        st.tuples(
+            st.just("put_chain"),
+            st.sampled_from(range(CHAIN)),
+            st.integers(1, CHAIN),
+            st.sampled_from(WORKERS),
+            st.sampled_from(TIERS),
+        ),
         st.tuples(st.just("clear_worker"), st.sampled_from(WORKERS)),
         st.tuples(st.just("flush")),
     ),
@@ -53,6 +61,19 @@ def _apply(index, op) -> object:
     if name == "remove_block":
         key = KEYS[op[1]]
         return index.remove_block(key.scope(), op[2], key.block_hash)
+    if name == "put_chain":
+        chain = KEYS[op[1] : min(op[1] + op[2], CHAIN)]
+        first = chain[0]
+        return index.put_chain(
+            first[:4],
+            first.prefix_hash,
+            [k.block_hash for k in chain],
+            first.block_index,
+            first.token_count,
+            op[3],
+            op[4],
+            1024,
+        )
     if name == "clear_worker":
         return index.clear_worker(op[1])
     if name == "flush":

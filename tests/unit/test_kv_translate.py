@@ -290,6 +290,14 @@ def state(index, tr) -> tuple:
     )
 
 
+def assert_runs_bounded(tr) -> None:
+    """The translator keeps a bulk run's shared facts exactly while blocks of it are
+    mapped: memory follows the blocks the engine holds."""
+    live = Counter(v >> 20 for v in tr._blocks.values() if type(v) is int)
+    assert {run_id: run[6] for run_id, run in tr._runs.items()} == dict(live)
+    assert all(4 * run[6] >= len(run[0]) for run in tr._runs.values())
+
+
 @pytest.mark.parametrize("salt", [None, "acme"])
 def test_one_block_events_chained_get_the_gateway_hashes_through_the_bulk_path(salt):
     """The benchmark's shape: each event one block, chained to the previous event."""
@@ -311,6 +319,33 @@ def test_one_block_events_chained_get_the_gateway_hashes_through_the_bulk_path(s
             1700000000000,
         )
     assert [tr.key_for(f"u:{e[1][0]:016x}") for e in events] == expected
+    # The engine evicts the last two blocks, then the rest: the records go with them.
+    tr.apply(decode_bulk(enc.batch([enc.removed_event(tokens, salt=salt, last=2)])))
+    assert engine_keys(index) == set(expected[:3]) and len(tr) == 3
+    assert_runs_bounded(tr)
+    tr.apply(decode_bulk(enc.batch([enc.removed_event(tokens[: 3 * BS], salt=salt)])))
+    assert len(index) == 0 and len(tr) == 0 and tr._runs == {}
+
+
+def test_a_run_with_few_blocks_left_lets_its_shared_lists_go():
+    index, tr = make()
+    enc = encoder()
+    tokens = [(7 * i) % 1000 for i in range(8 * BS)]
+    events = [enc.stored_event(tokens[: (n + 1) * BS]) for n in range(8)]
+    tr.apply(decode_bulk(enc.batch(events)))
+    expected = gateway_keys(tokens, None)
+    assert len(tr._runs) == 1
+    # The engine evicts the tail: with one block of eight left the run is unpacked.
+    tr.apply(decode_bulk(enc.batch([enc.removed_event(tokens, last=7)])))
+    assert tr._runs == {} and len(tr) == 1
+    assert tr.key_for(f"u:{events[0][1][0]:016x}") == expected[0]
+    assert engine_keys(index) == {expected[0]}
+    # A longer prompt continues the chain from that block, and the block still goes.
+    more = [enc.stored_event(tokens[: 2 * BS])]
+    tr.apply(decode_bulk(enc.batch(more)))
+    assert engine_keys(index) == set(expected[:2])
+    tr.apply(decode_bulk(enc.batch([enc.removed_event(tokens[: 2 * BS])])))
+    assert len(index) == 0 and len(tr) == 0 and tr._runs == {}
 
 
 _POOL = st.integers(1, 12)  # engine hashes from a small pool: reuse, repeats, unknown parents
@@ -354,5 +389,6 @@ def test_bulk_path_equals_per_block_application(payloads, max_tracked):
         want = ref.apply(decode_batch(payload))
         assert (got.applied, got.rejected) == (want.applied, want.rejected)
         assert state(fast_index, fast) == state(ref_index, ref)
+        assert_runs_bounded(fast)
     for engine_hash in {f"u:{h:016x}" for h in range(1, 13)}:
         assert fast.key_for(engine_hash) == ref.key_for(engine_hash)

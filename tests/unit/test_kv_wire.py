@@ -513,10 +513,50 @@ def test_bulk_decodes_a_chain_of_one_block_events_column_by_column(hash_style):
     enc = VllmEventEncoder(hash_style=hash_style, block_size=BS, seed=b"c" * 16)
     tokens = list(range(1000, 1000 + 40 * BS))
     events = [enc.stored_event(tokens[: (n + 1) * BS], salt="acme") for n in range(40)]
+    run = decode_bulk(enc.batch(events)).run
     bulk = _assert_bulk_matches(enc.batch(events))
     keys = [op[2][0] for op in bulk.ops]
     assert [op[3] for op in bulk.ops[1:]] == keys[:-1]
     assert bulk.tokens == b"".join(t.to_bytes(4, "little") for t in tokens)
+    # The whole batch is one chain: the translator gets it as one StoredRun.
+    assert run is not None and bulk.run == run
+    assert (run.keys, run.parent, run.events) == (keys, None, 40)
+    assert (run.block_size, run.tier, run.group_idx) == (BS, CacheTier.HBM, None)
+    assert (run.lora_name, run.cache_salt) == (None, "acme")
+
+
+def _chain_events(**changes: Any) -> list[Any]:
+    """Four chained one-block array-form events; `changes` maps an event number to a
+    (field, value) it gets instead."""
+    enc = VllmEventEncoder(block_size=BS, seed=b"r" * 16)
+    tokens = list(range(2000, 2000 + 4 * BS))
+    events = [enc.stored_event(tokens[: (n + 1) * BS]) for n in range(4)]
+    for n, (name, value) in changes.items():
+        events[int(n[1:])][1 + STORED_FIELDS.index(name)] = value
+    return events
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"e2": ("parent_block_hash", None)},  # a second root
+        {"e2": ("parent_block_hash", 12345)},  # a parent from elsewhere
+        {"e3": ("medium", "CPU")},  # another tier
+        {"e1": ("parent_block_hash", 1.5)},  # not a hash: the event is rejected
+    ],
+)
+def test_a_batch_that_is_not_one_chain_of_one_shape_has_no_run(changes):
+    payload = _pack([0.5, _chain_events(**changes)])
+    assert decode_bulk(payload).run is None
+    _assert_bulk_matches(payload)
+
+
+def test_a_run_chained_from_a_known_parent_keeps_it():
+    events = _chain_events()[1:]
+    payload = _pack([0.5, events])
+    run = decode_bulk(payload).run
+    assert run is not None and run.parent == events[0][2] and run.events == 3
+    _assert_bulk_matches(payload)
 
 
 def test_engine_keys_round_trip():

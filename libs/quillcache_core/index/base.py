@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import repeat
 
 from quillcache_core.model import (
     CacheResidency,
@@ -48,22 +49,24 @@ class IndexBackend(abc.ABC):
         tier: CacheTier,
         nbytes: int,
         last_access_ms: int = 0,
-    ) -> list[CacheResidency]:
-        """Put a chain of blocks of one scope, all on one worker and tier; returns the
-        records in chain order.
-
-        Block i's key is KvBlockKey(*scope, prefix, block_hashes[i], first_index + i,
-        token_count), its prefix `parent` for the first block and the previous hash
-        after: put_many of those records (persistent backends commit them together;
-        MemoryIndex builds and links a fresh chain in bulk).
-        """
-        records = []
-        for offset, block_hash in enumerate(block_hashes):
-            key = KvBlockKey(*scope, parent, block_hash, first_index + offset, token_count)
-            records.append(CacheResidency(key, worker_id, tier, nbytes, last_access_ms))
-            parent = block_hash
-        self.put_many(records)
-        return records
+    ) -> None:
+        """Put a chain of blocks of one scope, all on one worker and tier: put_many of
+        `chain_records` of the same arguments (persistent backends commit them together;
+        MemoryIndex builds a fresh chain's records only when a read or put first
+        touches one of its blocks)."""
+        self.put_many(
+            chain_records(
+                scope,
+                parent,
+                block_hashes,
+                first_index,
+                token_count,
+                worker_id,
+                tier,
+                nbytes,
+                last_access_ms,
+            )
+        )
 
     @abc.abstractmethod
     def locate(self, key: KvBlockKey) -> list[CacheResidency]:
@@ -138,3 +141,55 @@ class IndexBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release files; a no-op for in-memory backends."""
+
+
+_new = tuple.__new__
+
+
+def chain_records(
+    scope: tuple[str, str, str | None, str],
+    parent: str,
+    block_hashes: Sequence[str],
+    first_index: int,
+    token_count: int,
+    worker_id: str,
+    tier: CacheTier,
+    nbytes: int,
+    last_access_ms: int = 0,
+) -> list[CacheResidency]:
+    """The records of a chain, in chain order: block i's key is KvBlockKey(*scope,
+    prefix, block_hashes[i], first_index + i, token_count), its prefix `parent` for the
+    first block and the previous hash after. Built in C-level passes (no Python call
+    per block)."""
+    prefixes = [parent]
+    prefixes += block_hashes[:-1]
+    model_id, tokenizer_id, adapter_id, tenant_id = scope
+    keys = map(
+        _new,
+        repeat(KvBlockKey),
+        zip(
+            repeat(model_id),
+            repeat(tokenizer_id),
+            repeat(adapter_id),
+            repeat(tenant_id),
+            prefixes,
+            block_hashes,
+            range(first_index, first_index + len(block_hashes)),
+            repeat(token_count),
+        ),
+    )
+    return list(
+        map(
+            _new,
+            repeat(CacheResidency),
+            zip(
+                keys,
+                repeat(worker_id),
+                repeat(tier),
+                repeat(nbytes),
+                repeat(last_access_ms),
+                repeat(0),
+                repeat(False),
+            ),
+        )
+    )

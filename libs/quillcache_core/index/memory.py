@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 
-from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.base import IndexBackend, chain_records
 from quillcache_core.model import (
     CacheResidency,
     CacheTier,
@@ -33,7 +33,11 @@ _ScopeKey = tuple[str, str, str | None, str]
 _PrefixCell = KvBlockKey | set[KvBlockKey]
 
 
-_new = tuple.__new__
+# The key of a pending chain's cell: {_PENDING: put_chain's arguments}, one dict shared
+# by every hash of the chain. A dict, so that the read paths' common case (a record)
+# keeps its one type test; the rare dict case (locate_hash) builds the chain.
+_PENDING = "pending chain"
+_LIVE = "blocks left"  # ... and how many of its blocks are still held (not removed)
 
 
 def _tier_value(tier: object) -> str:
@@ -51,7 +55,11 @@ class MemoryIndex(IndexBackend):
 
     Costs: put, locate and worker_block_count are O(1); locate_hash and prefix_scan
     are O(results); remove_block and remove_tier are O(records under that hash);
-    clear_worker is O(that worker's records). Only snapshot() visits everything.
+    clear_worker is O(that worker's records). Only snapshot() visits everything, and
+    the first prefix_scan, which builds the parent-hash index that later writes keep
+    up to date: no service scans by prefix, so writes skip that index until then.
+    put_chain is O(1) a block with no object per block; the first read or put that
+    touches one of its blocks builds the chain's records (O(chain), once).
     Emptied containers are dropped at once, so memory tracks the live records.
     """
 
@@ -62,13 +70,18 @@ class MemoryIndex(IndexBackend):
         # the key's block_hash, so no separate key -> records map is kept.
         self._by_hash: dict[str, _HashCell] = {}
         # scope -> parent hash -> the keys under it. Nested by scope so that a chain of
-        # one scope links its blocks by their (existing) parent-hash strings.
-        self._by_prefix: dict[_ScopeKey, dict[str, _PrefixCell]] = {}
+        # one scope links its blocks by their (existing) parent-hash strings. None until
+        # the first prefix_scan: only that reads it, and keeping it costs each new key
+        # a dict insert (about a tenth of a put_chain block).
+        self._by_prefix: dict[_ScopeKey, dict[str, _PrefixCell]] | None = None
         # worker -> id(record) -> record: the stored objects themselves, keyed by id
         # because hashing an int is C while hashing a CacheResidency or a (key, tier)
         # tuple calls dataclass __hash__. Safe: the dict keeps each record alive, so
         # ids are unique among its entries.
-        self._by_worker: dict[str, dict[int, CacheResidency]] = {}
+        # Also a pending chain (see put_chain), under id(cell).
+        self._by_worker: dict[str, dict[int, CacheResidency | dict]] = {}
+        # worker -> records it holds (a pending chain counts its blocks).
+        self._held: dict[str, int] = {}
         self._count = 0
         self._bytes = 0
         self._puts = 0
@@ -88,6 +101,8 @@ class MemoryIndex(IndexBackend):
             self._link_key(key)
             self._added(residency)
             return
+        if type(cell) is dict and _PENDING in cell:
+            cell = self._build(cell, block_hash)
         if type(cell) is not dict:
             if _same_key(cell.key, key):
                 if cell.worker_id == residency.worker_id and cell.tier is residency.tier:
@@ -126,83 +141,84 @@ class MemoryIndex(IndexBackend):
         tier: CacheTier,
         nbytes: int,
         last_access_ms: int = 0,
-    ) -> list[CacheResidency]:
-        """Put a chain of blocks of one scope, all on one worker and tier; returns the
-        records (in chain order).
+    ) -> None:
+        """Put a chain of blocks of one scope, all on one worker and tier: put_many of
+        `chain_records` of the same arguments (see IndexBackend.put_chain).
 
-        Block i's key is KvBlockKey(*scope, prefix, block_hashes[i], first_index + i,
-        token_count) with prefix `parent` for the first block and the previous hash
-        after, so this is put_many of those records. The event path's bulk insert: when
-        every hash and parent is new to the index (the rule for a fresh chain) the keys
-        and records are built and linked with C-level dict updates, no Python call per
-        block; otherwise each record goes through put(), in order.
+        The event path's bulk insert. When every hash is new to the index (the rule for
+        a fresh chain) nothing is built per block: each hash maps to one shared pending
+        cell holding the arguments, and the chain's records are built, in C-level
+        passes, when a read or a put first touches one of its blocks. Removing a block
+        (remove_tier, remove_block, clear_worker) needs no record, so a block removed
+        before anything read its chain never has one: no KvBlockKey, no CacheResidency
+        for the cycle collector to walk. Otherwise, or once prefix_scan has built its
+        index, the records are built now.
         """
         count = len(block_hashes)
         if not count:
-            return []
-        prefixes = [parent]
-        prefixes += block_hashes[:-1]
-        model_id, tokenizer_id, adapter_id, tenant_id = scope
-        keys = list(
-            map(
-                _new,
-                repeat(KvBlockKey),
-                zip(
-                    repeat(model_id),
-                    repeat(tokenizer_id),
-                    repeat(adapter_id),
-                    repeat(tenant_id),
-                    prefixes,
-                    block_hashes,
-                    range(first_index, first_index + count),
-                    repeat(token_count),
-                ),
-            )
-        )
-        records: list[CacheResidency] = list(
-            map(
-                _new,
-                repeat(CacheResidency),
-                zip(
-                    keys,
-                    repeat(worker_id),
-                    repeat(tier),
-                    repeat(nbytes),
-                    repeat(last_access_ms),
-                    repeat(0),
-                    repeat(False),
-                ),
-            )
-        )
+            return
         by_hash = self._by_hash
-        fresh = dict(zip(block_hashes, records, strict=True))
-        if len(fresh) != count or not by_hash.keys().isdisjoint(fresh):
-            self.put_many(records)
-            return records
-        self._puts += count
-        by_hash.update(fresh)
-        cells = self._by_prefix.get(scope)
-        if cells is None:
-            cells = self._by_prefix[scope] = {}
-        links = dict(zip(prefixes, keys, strict=True))
-        if len(links) == count and cells.keys().isdisjoint(links):
-            cells.update(links)
-        else:
-            for key in keys:
-                self._link_key(key)
-        held = self._by_worker.get(worker_id)
-        if held is None:
-            held = self._by_worker[worker_id] = {}
-        held.update(zip(map(id, records), records, strict=True))
-        self._count += count
-        self._bytes += count * nbytes
-        return records
+        if self._by_prefix is None and by_hash.keys().isdisjoint(block_hashes):
+            hashes = list(block_hashes)
+            cell = {
+                _PENDING: (
+                    scope,
+                    parent,
+                    hashes,
+                    first_index,
+                    token_count,
+                    worker_id,
+                    tier,
+                    nbytes,
+                    last_access_ms,
+                ),
+                _LIVE: count,
+            }
+            before = len(by_hash)
+            by_hash.update(zip(hashes, repeat(cell)))
+            if len(by_hash) - before == count:
+                held = self._by_worker.get(worker_id)
+                if held is None:
+                    held = self._by_worker[worker_id] = {}
+                held[id(cell)] = cell
+                self._held[worker_id] = self._held.get(worker_id, 0) + count
+                self._puts += count
+                self._count += count
+                self._bytes += count * nbytes
+                return
+            for block_hash in hashes:  # a hash repeats in the chain: undo, then put in order
+                by_hash.pop(block_hash, None)
+        self.put_many(
+            chain_records(
+                scope,
+                parent,
+                block_hashes,
+                first_index,
+                token_count,
+                worker_id,
+                tier,
+                nbytes,
+                last_access_ms,
+            )
+        )
 
     def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
         """Remove every tier of this block that `worker_id` holds under `scope`.
 
         Returns the number of records removed.
         """
+        cell = self._by_hash.get(block_hash)
+        if type(cell) is dict and _PENDING in cell:
+            args = cell[_PENDING]
+            if args[5] != worker_id or tuple(args[0]) != (
+                scope.model_id,
+                scope.tokenizer_id,
+                scope.adapter_id,
+                scope.tenant_id,
+            ):
+                return 0
+            self._remove_pending(cell, block_hash)
+            return 1
         victims = [
             r
             for r in self.locate_hash(block_hash)
@@ -218,6 +234,13 @@ class MemoryIndex(IndexBackend):
         `tier` is a CacheTier or a name CacheTier.parse accepts. Returns records removed.
         """
         value = _tier_value(tier)
+        cell = self._by_hash.get(block_hash)
+        if type(cell) is dict and _PENDING in cell:
+            args = cell[_PENDING]
+            if args[5] != worker_id or args[6]._value_ != value:
+                return 0
+            self._remove_pending(cell, block_hash)
+            return 1
         victims = [
             r
             for r in self.locate_hash(block_hash)
@@ -230,11 +253,19 @@ class MemoryIndex(IndexBackend):
     def clear_worker(self, worker_id: str) -> int:
         """Drop every record `worker_id` holds; returns how many were dropped."""
         held = self._by_worker.pop(worker_id, None)
+        removed = self._held.pop(worker_id, 0)
         if not held:
             return 0
-        for residency in held.values():
-            self._unlink(residency)
-        removed = len(held)
+        by_hash = self._by_hash
+        for item in held.values():
+            if type(item) is dict:  # a pending chain: the hashes still mapped to it go
+                for block_hash in item[_PENDING][2]:
+                    if by_hash.get(block_hash) is item:
+                        del by_hash[block_hash]
+                self._count -= item[_LIVE]
+                self._bytes -= item[_LIVE] * item[_PENDING][7]
+            else:
+                self._unlink(item)
         self._removes += removed
         return removed
 
@@ -242,8 +273,10 @@ class MemoryIndex(IndexBackend):
         """Drop every record. Cleared records count as removes; counters keep running."""
         self._removes += self._count
         self._by_hash.clear()
-        self._by_prefix.clear()
+        if self._by_prefix is not None:
+            self._by_prefix.clear()
         self._by_worker.clear()
+        self._held.clear()
         self._count = 0
         self._bytes = 0
 
@@ -252,10 +285,12 @@ class MemoryIndex(IndexBackend):
     def _added(self, residency: CacheResidency) -> None:
         self._count += 1
         self._bytes += residency.bytes
-        held = self._by_worker.get(residency.worker_id)
+        worker_id = residency.worker_id
+        held = self._by_worker.get(worker_id)
         if held is None:
-            held = self._by_worker[residency.worker_id] = {}
+            held = self._by_worker[worker_id] = {}
         held[id(residency)] = residency
+        self._held[worker_id] = self._held.get(worker_id, 0) + 1
 
     def _replaced(self, old: CacheResidency, new: CacheResidency) -> None:
         self._bytes += new.bytes - old.bytes
@@ -265,10 +300,14 @@ class MemoryIndex(IndexBackend):
 
     def _remove(self, residency: CacheResidency) -> None:
         """Remove one stored record (the very object the indexes hold) everywhere."""
-        held = self._by_worker[residency.worker_id]
+        worker_id = residency.worker_id
+        held = self._by_worker[worker_id]
         del held[id(residency)]
         if not held:
-            del self._by_worker[residency.worker_id]
+            del self._by_worker[worker_id]
+            del self._held[worker_id]
+        else:
+            self._held[worker_id] -= 1
         self._unlink(residency)
         self._removes += 1
 
@@ -295,8 +334,54 @@ class MemoryIndex(IndexBackend):
             if len(only) == 1:
                 (self._by_hash[block_hash],) = only.values()
 
+    def _build(self, cell: dict, block_hash: str) -> _HashCell:
+        """Build a pending chain's records into its hashes' places; returns the cell
+        that `block_hash` has now."""
+        args = cell[_PENDING]
+        by_hash = self._by_hash
+        records = chain_records(*args)
+        if cell[_LIVE] != len(records):  # some blocks were removed meanwhile
+            records = [r for r in records if by_hash.get(r.key.block_hash) is cell]
+        by_hash.update(zip([r.key.block_hash for r in records], records, strict=True))
+        held = self._by_worker[args[5]]
+        del held[id(cell)]
+        held.update(zip(map(id, records), records, strict=True))
+        return by_hash[block_hash]
+
+    def _remove_pending(self, cell: dict, block_hash: str) -> None:
+        """Remove the one record a pending chain has under `block_hash`, unbuilt."""
+        args = cell[_PENDING]
+        worker_id = args[5]
+        del self._by_hash[block_hash]
+        self._count -= 1
+        self._bytes -= args[7]
+        self._removes += 1
+        cell[_LIVE] -= 1
+        if cell[_LIVE]:
+            self._held[worker_id] -= 1
+            return
+        held = self._by_worker[worker_id]
+        del held[id(cell)]
+        if held:
+            self._held[worker_id] -= 1
+        else:
+            del self._by_worker[worker_id]
+            del self._held[worker_id]
+
+    def _build_all(self) -> None:
+        """Build every pending chain (before a full scan)."""
+        pending = {
+            id(cell): (cell, block_hash)
+            for block_hash, cell in self._by_hash.items()
+            if type(cell) is dict and _PENDING in cell
+        }
+        for cell, block_hash in pending.values():
+            self._build(cell, block_hash)
+
     def _link_key(self, key: KvBlockKey) -> None:
         """Record that `key` (which had no records until now) has one."""
+        if self._by_prefix is None:
+            return
         scope = key[:4]
         cells = self._by_prefix.get(scope)
         if cells is None:
@@ -312,6 +397,8 @@ class MemoryIndex(IndexBackend):
 
     def _unlink_key(self, key: KvBlockKey) -> None:
         """Record that `key`'s last record is gone."""
+        if self._by_prefix is None:
+            return
         scope = key[:4]
         cells = self._by_prefix[scope]
         prefix = key.prefix_hash
@@ -334,6 +421,9 @@ class MemoryIndex(IndexBackend):
             return []
         if type(cell) is not dict:
             return [cell] if _same_key(cell.key, key) else []
+        if _PENDING in cell:
+            self._build(cell, key.block_hash)
+            return self.locate(key)
         records = cell.get(key)
         return [] if records is None else list(records.values())
 
@@ -344,6 +434,8 @@ class MemoryIndex(IndexBackend):
             return []
         if type(cell) is not dict:
             return [cell]
+        if _PENDING in cell:
+            return [self._build(cell, block_hash)]  # a chain's block has one record
         if len(cell) == 1:
             # Several copies of one key: list() beats the nested comprehension.
             for records in cell.values():
@@ -391,7 +483,10 @@ class MemoryIndex(IndexBackend):
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         """Residencies in `scope` whose key's parent hash is `prefix_hash`."""
         self._prefix_scans += 1
-        cells = self._by_prefix.get(
+        by_prefix = self._by_prefix
+        if by_prefix is None:
+            by_prefix = self._build_prefix_index()
+        cells = by_prefix.get(
             (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id)
         )
         if cells is None:
@@ -403,8 +498,21 @@ class MemoryIndex(IndexBackend):
             return self.locate(cell)
         return [residency for key in cell for residency in self.locate(key)]
 
+    def _build_prefix_index(self) -> dict[_ScopeKey, dict[str, _PrefixCell]]:
+        """Link every key held so far; from now on writes keep the index current."""
+        self._build_all()
+        self._by_prefix = {}
+        for cell in self._by_hash.values():
+            if type(cell) is not dict:
+                self._link_key(cell.key)
+            else:
+                for key in cell:
+                    self._link_key(key)
+        return self._by_prefix
+
     def snapshot(self) -> list[CacheResidency]:
         """Every record, in no particular order. O(n): the one full scan."""
+        self._build_all()
         out: list[CacheResidency] = []
         for cell in self._by_hash.values():
             if type(cell) is not dict:
@@ -419,8 +527,7 @@ class MemoryIndex(IndexBackend):
 
     def worker_block_count(self, worker_id: str) -> int:
         """Records (block copies, counting each tier) held by `worker_id`."""
-        held = self._by_worker.get(worker_id)
-        return 0 if held is None else len(held)
+        return self._held.get(worker_id, 0)
 
     def metrics(self) -> IndexMetrics:
         """A fresh copy of the counters; nothing is written, so bytes_written is 0."""

@@ -15,11 +15,17 @@ flushed. A crash loses at most the writes since the last flush, as with
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.base import IndexBackend, chain_records
 from quillcache_core.index.memory import MemoryIndex
-from quillcache_core.model import CacheResidency, IdentityScope, IndexMetrics, KvBlockKey
+from quillcache_core.model import (
+    CacheResidency,
+    CacheTier,
+    IdentityScope,
+    IndexMetrics,
+    KvBlockKey,
+)
 
 
 class MirroredIndex(IndexBackend):
@@ -60,7 +66,37 @@ class MirroredIndex(IndexBackend):
         self._memory.put_many(batch)
         self._queue_puts(batch)
 
-    def _queue_puts(self, batch: list[CacheResidency]) -> None:
+    def put_chain(
+        self,
+        scope: tuple[str, str, str | None, str],
+        parent: str,
+        block_hashes: Sequence[str],
+        first_index: int,
+        token_count: int,
+        worker_id: str,
+        tier: CacheTier,
+        nbytes: int,
+        last_access_ms: int = 0,
+    ) -> None:
+        """The memory copy's put_chain; `durable` gets the chain's records, built by
+        the thread that drains the queue, in the put_many of the writes around it."""
+        args = (
+            scope,
+            parent,
+            list(block_hashes),
+            first_index,
+            token_count,
+            worker_id,
+            tier,
+            nbytes,
+            last_access_ms,
+        )
+        self._memory.put_chain(*args)
+        if args[2]:
+            self._queue_puts([args])
+
+    def _queue_puts(self, batch: list) -> None:
+        """Queue records (and put_chain argument tuples, which drain expands)."""
         with self._pending_lock:
             pending = self._pending
             if pending and pending[-1][0] == "put_many":
@@ -132,6 +168,8 @@ class MirroredIndex(IndexBackend):
                 ops, self._pending = self._pending, []
             durable = self._durable
             for op, args in ops:
+                if op == "put_many":
+                    args = (_expand(args[0]),)
                 getattr(durable, op)(*args)
             return len(ops)
 
@@ -144,3 +182,14 @@ class MirroredIndex(IndexBackend):
     def close(self) -> None:
         self.flush()
         self._durable.close()
+
+
+def _expand(batch: list) -> list[CacheResidency]:
+    """A queued put_many's records, each put_chain's arguments replaced by its records."""
+    records: list[CacheResidency] = []
+    for item in batch:
+        if type(item) is tuple:  # put_chain's arguments (a record is a CacheResidency)
+            records += chain_records(*item)
+        else:
+            records.append(item)
+    return records
