@@ -284,6 +284,9 @@ class RequestShape:
     # asks for input_tokens() several times per plan; summing 128 blocks each time
     # showed up in the conductor's profile.
     block_tokens_total: int = -1
+    # At most this many other engines' cost breakdowns wanted in the decision (None:
+    # the policy's own cap). A gateway that never reads them asks for 0.
+    max_others: int | None = None
 
     def input_tokens(self) -> int:
         cached = self.block_tokens_total

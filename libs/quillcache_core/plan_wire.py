@@ -33,8 +33,8 @@ def unpack_hashes(packed: bytes) -> list[str]:
         raise InvalidArgument(
             f"packed_hashes holds {len(packed)} bytes, not a multiple of {HASH_BYTES}"
         )
-    text = packed.hex()
-    return [text[i : i + _HEX] for i in range(0, len(text), _HEX)]
+    # hex() puts a space between digests; split() cuts there, all in C.
+    return packed.hex(" ", HASH_BYTES).split()
 
 
 def expand_runs(actions) -> Iterator[tuple[int, object]]:

@@ -14,10 +14,13 @@ p_w ~ exp(-(c_w - c_min) / ((c_max - c_min) * T)) as Dynamo does.
 
 Pure: no I/O, no clock. Blocks with the same copies (same workers, tiers and sizes)
 form runs, and within a run the estimate is linear in the prefix length, so the best
-prefix ends at a run boundary: the cost matrix is per engine and run, built with
-numpy from the (sparse) located residencies. A 128-block prompt over 64 engines is a
-few runs, not 8,192 Python iterations, and our planner's actions are held as runs
-(`ActionRuns`) that expand to per-block actions only when asked.
+prefix ends at a run boundary. Costs are rows of per-run prices: one per locality
+domain (store-node copies priced once per domain), plus one for each engine that holds
+a copy itself or on its own store node; every other engine shares its domain's row. A
+128-block prompt over 64 engines is a few runs and a few rows, not 8,192 cells, so the
+arithmetic is plain Python (numpy's per-call cost outweighed these small arrays), and
+our planner's actions are held as runs (`ActionRuns`) that expand to per-block actions
+only when asked.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from __future__ import annotations
 import abc
 import enum
 import functools
+import heapq
 import logging
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -215,11 +220,11 @@ class PlanDecision:
     def recompute_tokens(self, request: RequestShape) -> int:
         """Tokens the engine must prefill: recomputed blocks plus the uncached tail."""
         blocks = request.blocks
+        recompute = ActionKind.RECOMPUTE
         reused = sum(
-            blocks[i].token_count
+            sum(map(_token_count, blocks[run.first : run.first + run.count]))
             for run in action_runs(self.actions)
-            if run.kind is not ActionKind.RECOMPUTE
-            for i in range(run.first, run.first + run.count)
+            if run.kind is not recompute
         )
         return request.input_tokens() - reused
 
@@ -456,16 +461,16 @@ class _Layout(NamedTuple):
     engine_index: dict[str, int]
     by_store: dict[str, list[int]]  # store node -> the engines it is local to
     domains: dict[str, int]  # locality domain -> row
-    engine_domain: np.ndarray  # engine -> its domain's row
+    engine_domain: list[int]  # engine -> its domain's row
 
 
 def _layout(engines: Sequence[WorkerState]) -> _Layout:
     engine_index = {w.id: i for i, w in enumerate(engines)}
     by_store: dict[str, list[int]] = {}
     domains: dict[str, int] = {}
-    engine_domain = np.empty(len(engines), dtype=np.intp)
+    engine_domain: list[int] = []
     for i, worker in enumerate(engines):
-        engine_domain[i] = domains.setdefault(worker.locality_domain, len(domains))
+        engine_domain.append(domains.setdefault(worker.locality_domain, len(domains)))
         if worker.store_node_id:
             by_store.setdefault(worker.store_node_id, []).append(i)
     return _Layout(engine_index, by_store, domains, engine_domain)
@@ -473,17 +478,22 @@ def _layout(engines: Sequence[WorkerState]) -> _Layout:
 
 def _load_costs(
     cm: CostModel, engines: Sequence[WorkerState], decode_tokens: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[list[float], list[float]]:
     """Per engine, queue and decode cost: CostModel's formulas over load columns."""
     if type(cm) is not CostModel:  # a subclass may price load its own way
-        queue = [cm.queue_cost_us(w) for w in engines]
-        decode = [cm.decode_cost_us(decode_tokens, w.running_decodes) for w in engines]
-        return np.array(queue, dtype=np.float64), np.array(decode, dtype=np.float64)
-    queued = np.array([w.queued_prefill_tokens for w in engines], dtype=np.float64)
-    running = np.array([w.running_decodes for w in engines], dtype=np.float64)
-    queue = cm.queue_us_per_prefill_token * queued
-    decode = cm.decode_us_per_token * decode_tokens + cm.running_decode_penalty_us * running
+        queue = [float(cm.queue_cost_us(w)) for w in engines]
+        decode = [float(cm.decode_cost_us(decode_tokens, w.running_decodes)) for w in engines]
+        return queue, decode
+    per_queued = float(cm.queue_us_per_prefill_token)
+    per_running = float(cm.running_decode_penalty_us)
+    decoding = float(cm.decode_us_per_token * decode_tokens)
+    queue = [per_queued * tokens for tokens in map(_queued_tokens, engines)]
+    decode = [decoding + per_running * running for running in map(_running_decodes, engines)]
     return queue, decode
+
+
+_queued_tokens = attrgetter("queued_prefill_tokens")
+_running_decodes = attrgetter("running_decodes")
 
 
 def block_runs(usable: Sequence[Sequence[CacheResidency]]) -> list[tuple[int, int]]:
@@ -553,35 +563,47 @@ class CostPlanner(Policy):
         if not engines:
             raise NodeUnavailable("no engine available for this request")
         cm = self.cost_model
-        layout = self._layout(fleet)
+        engine_index, by_store, domains, engine_domain = self._layout(fleet)
         blocks = request.blocks
         usable = usable[: len(blocks)]
         runs = block_runs(usable)
-        run_matrix, local_mask = self._run_costs(layout, usable, runs, fleet.store_domains)
-        width = run_matrix.shape[1]  # runs up to the first block nobody holds
-        runs = runs[:width]
+        domain_rows, engine_cells = _run_costs(
+            cm, engine_index, by_store, domains, usable, runs, fleet.store_domains
+        )
+        width = len(domain_rows[0]) if domain_rows else 0  # runs up to the first block nobody holds
+        del runs[width:]
         n = len(engines)
 
-        counts = [length for _, length in runs]
-        lengths = np.array(counts, dtype=np.float64)
+        lengths = [length for _, length in runs]
         # Tokens before each block boundary (blocks usually all hold 16).
-        token_cum = [0, *accumulate(key.token_count for key in blocks)]
+        token_cum = [0, *accumulate(map(_token_count, blocks))]
         # Costs at run boundaries: within a run the estimate is linear in the prefix
         # length, so the best prefix always ends at a boundary.
-        boundaries = np.zeros(width + 1, dtype=np.intp)
-        np.cumsum(np.array(counts, dtype=np.intp), out=boundaries[1:])
-        reused_tokens = np.array([token_cum[b] for b in boundaries.tolist()], dtype=np.float64)
-        prefill = cm.prefill_us_per_token * (request.input_tokens() - reused_tokens)
-        fetch_cum = np.zeros((n, width + 1))
-        np.cumsum(run_matrix * lengths, axis=1, out=fetch_cum[:, 1:])
-        est = fetch_cum + prefill
-        prefix_run = np.argmin(est, axis=1)
-        rows = np.arange(n)
-        best = est[rows, prefix_run]
+        boundaries = [0, *accumulate(lengths)]
+        input_tokens = request.input_tokens()
+        per_token = cm.prefill_us_per_token
+        prefill = [float(per_token * (input_tokens - token_cum[b])) for b in boundaries]
+
+        # Every engine without a copy of its own (or on its own store node) shares its
+        # domain's row: best prefix per row, each row once.
+        rows: list[_Row] = [_best_prefix(row, lengths, prefill) for row in domain_rows]
+        row_of = [rows[d] for d in engine_domain]
+        if engine_cells:
+            own: dict[int, tuple[list[float], list[bool]]] = {}
+            for (i, col), (cost, local) in engine_cells.items():
+                entry = own.get(i)
+                if entry is None:
+                    entry = own[i] = (list(domain_rows[engine_domain[i]]), [False] * width)
+                costs, flags = entry
+                if cost < costs[col] or (cost == costs[col] and local):
+                    costs[col] = cost
+                    flags[col] = local
+            for i, (costs, flags) in own.items():
+                row_of[i] = _best_prefix(costs, lengths, prefill, flags)
 
         queue, decode = _load_costs(cm, engines, request.estimated_decode_tokens)
-        total = queue + best + decode
-        chosen_index = pick_min(total, rng, self.temperature)
+        total = [q + row[1] + d for q, row, d in zip(queue, row_of, decode, strict=True)]
+        chosen_index = _pick_lowest(total, rng, self.temperature)
         engine = engines[chosen_index]
         actions = _run_actions(
             cm,
@@ -589,43 +611,39 @@ class CostPlanner(Policy):
             engine,
             usable,
             fleet.store_domains,
-            runs[: int(prefix_run[chosen_index])],
+            runs[: row_of[chosen_index][0]],
             token_cum,
         )
-        if self.alternatives is None or self.alternatives >= n - 1:
+        alternatives = self.alternatives
+        if request.max_others is not None:
+            alternatives = (
+                request.max_others
+                if alternatives is None
+                else min(alternatives, request.max_others)
+            )
+        if alternatives is None or alternatives >= n - 1:
             picked = [i for i in range(n) if i != chosen_index]
+        elif alternatives <= 0:
+            picked = []
         else:
-            order = np.argsort(total, kind="stable")[: self.alternatives + 1].tolist()
-            picked = [i for i in order if i != chosen_index][: self.alternatives]
-        hit_cum = np.zeros((n, width + 1))
-        np.cumsum(local_mask * lengths, axis=1, out=hit_cum[:, 1:])
-        prefix_blocks = boundaries[prefix_run]
-        total_l, queue_l, best_l, decode_l = (
-            total.tolist(),
-            queue.tolist(),
-            best.tolist(),
-            decode.tolist(),
-        )
-        prefix_l, blocks_l, prefill_l = (
-            prefix_run.tolist(),
-            prefix_blocks.tolist(),
-            prefill.tolist(),
-        )
+            # nsmallest is sorted()[:k]: stable, cheapest first.
+            order = heapq.nsmallest(alternatives + 1, range(n), key=total.__getitem__)
+            picked = [i for i in order if i != chosen_index][:alternatives]
 
         def cost_of(i: int) -> EngineCost:
-            k = prefix_l[i]
-            hits = int(hit_cum[i, k])
+            k, best, fetch, hits = row_of[i]
+            prefix_blocks = boundaries[k]
             return EngineCost(
                 engine_id=engines[i].id,
-                cost_us=total_l[i],
-                est_ttft_us=queue_l[i] + best_l[i],
-                queue_us=queue_l[i],
-                fetch_us=float(fetch_cum[i, k]),
-                prefill_us=prefill_l[k],
-                decode_us=decode_l[i],
-                prefix_blocks=blocks_l[i],
+                cost_us=total[i],
+                est_ttft_us=queue[i] + best,
+                queue_us=queue[i],
+                fetch_us=fetch,
+                prefill_us=prefill[k],
+                decode_us=decode[i],
+                prefix_blocks=prefix_blocks,
                 hit_blocks=hits,
-                fetch_blocks=blocks_l[i] - hits,
+                fetch_blocks=prefix_blocks - hits,
             )
 
         chosen = cost_of(chosen_index)
@@ -648,91 +666,121 @@ class CostPlanner(Policy):
             )
         return PlanDecision(self.name, engine, actions, chosen, others)
 
-    def _run_costs(
-        self,
-        layout: _Layout,
-        usable: Sequence[Sequence[CacheResidency]],
-        runs: Sequence[tuple[int, int]],
-        store_domains: Mapping[str, str],
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Per engine and run, the cheapest per-block cost of making it usable (inf: none).
 
-        Only runs up to the first block with no source anywhere are columns: no engine
-        can reuse past it. Store-node sources are priced per locality domain once and
-        broadcast to the engines of that domain; engine-local copies and an engine's
-        own store node are applied as sparse overrides. Also returns, per cell,
-        whether the best source is the engine itself (a local hit).
-        """
-        cm = self.cost_model
-        engine_index, by_store, domains, engine_domain = layout
-        per_mb = _per_mb(cm)
-        hbm_hit = float(cm.hbm_hit_us)
-        penalty = cm.cross_domain_penalty_us
-        inf = math.inf
-        n_domains = len(domains)
+_token_count = itemgetter(7)  # KvBlockKey.token_count, without the property call
 
-        # Python-level minima per cell first; numpy gets each cell once.
-        domain_cells: dict[tuple[int, int], float] = {}
-        cross: list[float] = []
-        engine_cells: dict[tuple[int, int], tuple[float, bool]] = {}
-        width = 0
-        for first, _length in runs:
-            col = width
-            cross_best = inf
-            any_source = False
-            for residency in usable[first]:
-                worker = residency.worker_id
-                mb = (residency.bytes + MIB - 1) // MIB or 1
-                owner = engine_index.get(worker)
-                if owner is not None:
-                    any_source = True
-                    tier = residency.tier
-                    cost = hbm_hit if tier is CacheTier.HBM else float(per_mb[tier] * mb)
-                    cell = (owner, col)
-                    old = engine_cells.get(cell)
-                    if old is None or cost < old[0] or (cost == old[0] and not old[1]):
-                        engine_cells[cell] = (cost, True)
-                    continue
-                domain = store_domains.get(worker)
-                if domain is None:
-                    continue
+
+class _Row(NamedTuple):
+    """One cost row's best prefix: its run count, estimate, fetch cost and local hits."""
+
+    runs: int
+    best_us: float
+    fetch_us: float
+    hit_blocks: int
+
+
+def _best_prefix(
+    costs: Sequence[float],
+    lengths: Sequence[int],
+    prefill: Sequence[float],
+    local: Sequence[bool] | None = None,
+) -> _Row:
+    """The prefix (in runs) minimising fetch + prefill; the first of equal ones."""
+    fetch = 0.0
+    best = prefill[0]
+    best_runs, best_fetch, hits, best_hits = 0, 0.0, 0, 0
+    for col, cost in enumerate(costs):
+        length = lengths[col]
+        fetch += cost * length
+        if local is not None and local[col]:
+            hits += length
+        est = fetch + prefill[col + 1]
+        if est < best:
+            best, best_runs, best_fetch, best_hits = est, col + 1, fetch, hits
+    return _Row(best_runs, best, best_fetch, best_hits)
+
+
+def _pick_lowest(total: list[float], rng: random.Random, temperature: float) -> int:
+    """`pick_min` over a list: the same choice, the same draws from `rng`."""
+    if temperature > 0.0:
+        return pick_min(np.array(total, dtype=np.float64), rng, temperature)
+    low = min(total)
+    ties = [i for i, cost in enumerate(total) if cost == low]
+    if len(ties) == 1:
+        return ties[0]
+    return ties[rng.randrange(len(ties))]
+
+
+def _run_costs(
+    cm: CostModel,
+    engine_index: Mapping[str, int],
+    by_store: Mapping[str, list[int]],
+    domains: Mapping[str, int],
+    usable: Sequence[Sequence[CacheResidency]],
+    runs: Sequence[tuple[int, int]],
+    store_domains: Mapping[str, str],
+) -> tuple[list[list[float]], dict[tuple[int, int], tuple[float, bool]]]:
+    """Per locality domain and run, the cheapest per-block cost (inf: none), and the
+    engine-specific cells that may beat their domain's.
+
+    Only runs up to the first block with no source anywhere are columns: no engine
+    can reuse past it. A store-node copy is priced once per domain (the cross-domain
+    penalty outside its own); engine-local copies and an engine's own store node are
+    sparse (engine, run) -> (cost, is-a-local-hit) cells, applied to that engine's copy
+    of its domain row (a cell wins when cheaper, or as cheap and local).
+    """
+    per_mb = _per_mb(cm)
+    hbm_hit = float(cm.hbm_hit_us)
+    penalty = cm.cross_domain_penalty_us
+    inf = math.inf
+    hbm = CacheTier.HBM
+    domain_cells: dict[tuple[int, int], float] = {}
+    cross: list[float] = []
+    engine_cells: dict[tuple[int, int], tuple[float, bool]] = {}
+    width = 0
+    for first, _length in runs:
+        col = width
+        cross_best = inf
+        any_source = False
+        for residency in usable[first]:
+            worker = residency.worker_id
+            mb = (residency.bytes + MIB - 1) // MIB or 1
+            owner = engine_index.get(worker)
+            if owner is not None:
                 any_source = True
-                base = float(per_mb[residency.tier] * mb)
-                if base + penalty < cross_best:
-                    cross_best = base + penalty
-                row = domains.get(domain)
-                if row is not None:
-                    cell = (row, col)
-                    if base < domain_cells.get(cell, inf):
-                        domain_cells[cell] = base
-                for own in by_store.get(worker, ()):
-                    cell = (own, col)
-                    old = engine_cells.get(cell)
-                    if old is None or base < old[0]:
-                        engine_cells[cell] = (base, False)
-            if not any_source:
-                break
-            cross.append(cross_best)
-            width += 1
-
-        per_domain = np.full((n_domains, width), inf)
-        if domain_cells:
-            cells = np.array(list(domain_cells), dtype=np.intp)
-            per_domain[cells[:, 0], cells[:, 1]] = list(domain_cells.values())
-        cross_costs = np.array(cross)
-        per_domain = np.minimum(per_domain, cross_costs) if width else per_domain
-        matrix = per_domain[engine_domain]
-        local = np.zeros(matrix.shape, dtype=bool)
-        if engine_cells:
-            cells = np.array(list(engine_cells), dtype=np.intp)
-            values = list(engine_cells.values())
-            costs = np.array([v[0] for v in values])
-            flags = np.array([v[1] for v in values], dtype=bool)
-            current = matrix[cells[:, 0], cells[:, 1]]
-            wins = (costs < current) | ((costs == current) & flags)
-            matrix[cells[wins, 0], cells[wins, 1]] = costs[wins]
-            local[cells[wins, 0], cells[wins, 1]] = flags[wins]
-        return matrix, local
+                tier = residency.tier
+                cost = hbm_hit if tier is hbm else float(per_mb[tier] * mb)
+                cell = (owner, col)
+                old = engine_cells.get(cell)
+                if old is None or cost < old[0] or (cost == old[0] and not old[1]):
+                    engine_cells[cell] = (cost, True)
+                continue
+            domain = store_domains.get(worker)
+            if domain is None:
+                continue
+            any_source = True
+            base = float(per_mb[residency.tier] * mb)
+            if base + penalty < cross_best:
+                cross_best = base + penalty
+            row = domains.get(domain)
+            if row is not None:
+                cell = (row, col)
+                if base < domain_cells.get(cell, inf):
+                    domain_cells[cell] = base
+            for own in by_store.get(worker, ()):
+                cell = (own, col)
+                old = engine_cells.get(cell)
+                if old is None or base < old[0]:
+                    engine_cells[cell] = (base, False)
+        if not any_source:
+            break
+        cross.append(cross_best)
+        width += 1
+    rows = [list(cross) for _ in range(len(domains))]
+    for (row, col), cost in domain_cells.items():
+        if cost < rows[row][col]:
+            rows[row][col] = cost
+    return rows, engine_cells
 
 
 def _run_actions(

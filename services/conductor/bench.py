@@ -216,13 +216,14 @@ async def _bench(args, etcd, address, results) -> None:
             tenant_id=tenant,
             cache_salt=tenant,
         )
-        # What the gateway sends: packed hashes, action runs in the reply.
+        # What the gateway sends: packed hashes, action runs and no other engines in the reply.
         return conductor_pb2.PlanRequest(
             request_id=f"r{n}",
             identity=common_pb2.Identity(model_id=MODEL, tokenizer_id=TOKENIZER, tenant_id=tenant),
             packed_hashes=pack_hashes([k.block_hash for k in keys]),
             block_tokens=BS,
             action_runs=True,
+            max_others=0,
             prompt_tokens=len(tokens),
             expected_decode_tokens=128,
         )

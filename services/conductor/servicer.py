@@ -166,6 +166,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             prompt_tokens=request.prompt_tokens,
             block_bytes=block_bytes,
             block_tokens_total=total,
+            max_others=request.max_others if request.HasField("max_others") else None,
         )
         outcome = self.state.plan(shape, request.exclude_engines)
         decision = outcome.decision
@@ -179,7 +180,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             chosen=_cost_to_proto(decision.chosen),
             others=[
                 _cost_to_proto(c)
-                for c in heapq.nsmallest(self.alternatives, decision.others, key=_cost_key)
+                for c in heapq.nsmallest(
+                    self.alternatives
+                    if shape.max_others is None
+                    else min(self.alternatives, shape.max_others),
+                    decision.others,
+                    key=_cost_key,
+                )
             ],
             refusals=[
                 conductor_pb2.Refusal(

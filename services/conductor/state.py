@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import logging
 import random
-import uuid
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -171,7 +171,7 @@ class ConductorState:
         worker = decision.engine
         prefill_tokens = decision.recompute_tokens(request)
         res = Reservation(
-            id=uuid.uuid4().hex,
+            id=secrets.token_hex(16),
             engine_id=worker.id,
             prefill_tokens=prefill_tokens,
             blocks=len(request.blocks),

@@ -437,6 +437,7 @@ class Gateway:
                     block_tokens=cfg.block_size,
                     block_bytes=cfg.block_bytes,
                     action_runs=True,
+                    max_others=0,  # the reply's other engines are never read here
                     prompt_tokens=len(call.job.tokens),
                     expected_decode_tokens=call.job.max_tokens,
                     slo=common_pb2.Slo(ttft_ms=call.slo_ms),

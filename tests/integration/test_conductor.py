@@ -216,6 +216,35 @@ def test_concurrent_plans_without_finish_spread_instead_of_piling_on_the_hot_eng
     assert inflight[warm.engine_id] == max(inflight.values()), "the hot engine still takes the most"
 
 
+def test_max_others_trims_the_reply_to_the_cheapest_other_engines(etcd_server, conductor):
+    proc = conductor("--plan-alternatives", "2")
+    client = stub(proc)
+    for i in range(4):
+        put_engine(etcd_server, f"e{i}")
+    wait_until(lambda: len(engine_ids(client)) == 4, what="4 engines")
+    tokens = list(range(5 * 16))
+
+    def others(**kw) -> list[conductor_pb2.EngineCost]:
+        reply = plan(client, tokens, **kw)
+        client.Finish(
+            conductor_pb2.FinishRequest(
+                reservation_id=reply.reservation_id, outcome=conductor_pb2.FinishRequest.CANCELLED
+            ),
+            timeout=5,
+        )
+        assert reply.engine_id and reply.chosen.engine_id == reply.engine_id
+        assert reply.chosen.cost_us > 0, "the chosen engine's breakdown is always there"
+        assert reply.engine_id not in {o.engine_id for o in reply.others}
+        costs = [o.cost_us for o in reply.others]
+        assert costs == sorted(costs) and all(c >= reply.chosen.cost_us for c in costs)
+        return list(reply.others)
+
+    assert len(others()) == 2  # unset: the conductor's --plan-alternatives
+    assert others(max_others=0) == []
+    assert len(others(max_others=1)) == 1
+    assert len(others(max_others=10)) == 2  # the conductor's cap still holds
+
+
 def test_finish_releases_and_unfinished_reservations_expire(etcd_server, conductor):
     proc = conductor("--reservation-ttl-s", "1")
     client = stub(proc)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlanRequest(_message.Message):
-    __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines", "packed_hashes", "block_tokens", "block_bytes", "action_runs")
+    __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines", "packed_hashes", "block_tokens", "block_bytes", "action_runs", "max_others")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class PlanRequest(_message.Message):
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTION_RUNS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OTHERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     identity: _common_pb2.Identity
     blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockRef]
@@ -32,7 +33,8 @@ class PlanRequest(_message.Message):
     block_tokens: int
     block_bytes: int
     action_runs: bool
-    def __init__(self, request_id: _Optional[str] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., expected_decode_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ..., exclude_engines: _Optional[_Iterable[str]] = ..., packed_hashes: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., action_runs: _Optional[bool] = ...) -> None: ...
+    max_others: int
+    def __init__(self, request_id: _Optional[str] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., expected_decode_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ..., exclude_engines: _Optional[_Iterable[str]] = ..., packed_hashes: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., action_runs: _Optional[bool] = ..., max_others: _Optional[int] = ...) -> None: ...
 
 class BlockAction(_message.Message):
     __slots__ = ("kind", "block_index", "block_hash", "source_node", "source_address", "source_tier", "cost_us", "block_count")
