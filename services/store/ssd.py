@@ -22,7 +22,10 @@ or a thread that made a durable put in the last 50 ms has nothing queued yet. So
 lone writer pays no window, and N steady writers commit together. Puts that arrive
 while a commit is being synced form the next batch. The environment is opened with
 sync on, so every commit is flushed (fdatasync of the data, then of the meta page)
-before it is acknowledged.
+before it is acknowledged. The second flush is not what a commit waits for: with
+metasync off, batches of 2 MiB durable puts from 8 threads committed no faster here
+(0.24-0.28 GB/s against 0.15-0.33 with it on), their time going into copying the
+records into new page-cache pages.
 
 - `put(..., durable=True)` (the default) returns only after its transaction has
   committed; concurrent durable puts share a commit.
