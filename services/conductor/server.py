@@ -66,6 +66,7 @@ class ConductorServer:
         self.registry = open_registry(config.registry)
         self.server: grpc.aio.Server | None = None
         self.plan_port: PlanPortServer | None = None
+        self.servicer: ConductorServicer | None = None
         self.grpc_port = 0
         self.metrics_port = 0
         self._runner = None
@@ -122,6 +123,16 @@ class ConductorServer:
         )
         m.gauge("stores", "live store nodes", read=lambda: [((), len(state.stores))])
         m.gauge(
+            "plan_stream_messages_total",
+            "PlanStream messages received (each answered with one message)",
+            read=lambda: [((), self.servicer.stream_messages if self.servicer else 0)],
+        )
+        m.gauge(
+            "plan_stream_calls_total",
+            "Plan and Finish calls carried by PlanStream messages",
+            read=lambda: [((), self.servicer.stream_calls if self.servicer else 0)],
+        )
+        m.gauge(
             "plan_port_frames_total",
             "PlanStream messages answered on the plan port",
             read=lambda: [((), self.plan_port.frames if self.plan_port else 0)],
@@ -140,7 +151,7 @@ class ConductorServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        servicer = ConductorServicer(
+        self.servicer = servicer = ConductorServicer(
             self.state, self.events, cfg.max_blocks_per_request, cfg.plan_alternatives
         )
         conductor_pb2_grpc.add_ConductorServicer_to_server(servicer, server)

@@ -106,6 +106,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         self.alternatives = alternatives
         # host:port of the plan port, reported by Stats ("" = none).
         self.plan_address = ""
+        # PlanStream messages received and the calls they carried (calls per message
+        # is how well clients batch).
+        self.stream_messages = 0
+        self.stream_calls = 0
         self.events = events
         self.max_blocks = max_blocks
 
@@ -284,6 +288,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         stream itself ends only when the client closes it.
         """
         async for message in request_iterator:
+            self.stream_messages += 1
+            self.stream_calls += len(message.calls)
             yield self.handle_calls(message)
 
     def handle_calls(self, message) -> conductor_pb2.PlanStreamResponse:

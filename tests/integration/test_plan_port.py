@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-import urllib.request
 
 import grpc
 import pytest
@@ -48,14 +47,6 @@ def start_conductor(etcd_server, tmp_path):
 def stats(proc) -> conductor_pb2.StatsResponse:
     stub = conductor_pb2_grpc.ConductorStub(grpc.insecure_channel(proc.grpc_address))
     return stub.Stats(conductor_pb2.StatsRequest(), timeout=5)
-
-
-def metric(proc, name: str) -> float:
-    with urllib.request.urlopen(proc.metrics_url + "/metrics", timeout=5) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{name} not on /metrics")
 
 
 def test_plan_port_answers_like_the_stream_and_reports_errors_per_call(start_conductor):
@@ -108,7 +99,7 @@ def test_plan_port_answers_like_the_stream_and_reports_errors_per_call(start_con
     assert unknown.code() == grpc.StatusCode.NOT_FOUND and "nope" in unknown.details()
     assert open_after_plans == 200 and stats(proc).reservations_open == 0
     assert opened == 1, "one connection for every call, errors included"
-    assert metric(proc, "quillcache_plan_port_frames_total") >= 402
+    assert proc.metric("quillcache_plan_port_frames_total") >= 402
 
 
 def test_a_bad_frame_closes_only_its_connection_and_is_counted(start_conductor):
@@ -119,7 +110,7 @@ def test_a_bad_frame_closes_only_its_connection_and_is_counted(start_conductor):
             sock.sendall(frame)
             assert sock.recv(16) == b"", "the conductor closed this connection"
     wait_until(
-        lambda: metric(proc, "quillcache_plan_port_rejected_frames_total") == 2,
+        lambda: proc.metric("quillcache_plan_port_rejected_frames_total") == 2,
         what="two rejected frames",
     )
 

@@ -202,6 +202,9 @@ def test_many_concurrent_calls_share_one_stream_and_all_finish(conductor):
     assert {r.engine_id for r in replies} == {"e1", "e2"}, "load spreads over both"
     assert (open_after_plans, open_after_finish) == (300, 0)
     assert opened == 1
+    # Calls queued together went as one message: fewer messages than calls.
+    assert conductor.metric("quillcache_plan_stream_calls_total") == 600
+    assert conductor.metric("quillcache_plan_stream_messages_total") < 600
 
 
 def test_a_dead_conductor_fails_calls_with_unavailable_instead_of_hanging(conductor):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -55,6 +56,14 @@ class ServiceProcess:
     @property
     def metrics_url(self) -> str:
         return self.fields["metrics"]
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled series on the process's /metrics."""
+        with urllib.request.urlopen(self.metrics_url + "/metrics", timeout=5) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        raise AssertionError(f"{name} not on /metrics")
 
     def _serving(self) -> bool:
         with grpc.insecure_channel(self.grpc_address) as channel:
