@@ -50,7 +50,7 @@ from quillcache_conductor.kv_wire import (
     engine_key,
 )
 from quillcache_core.hashing import ROOT_PARENT, identity_digest, packed_block_hashes
-from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.model import MIB, CacheResidency, CacheTier, KvBlockKey
 
 __all__ = ["ApplyResult", "EngineEventTranslator", "TranslatorStats"]
@@ -404,15 +404,17 @@ class EngineEventTranslator:
         stamp: int,
     ) -> None:
         self.index.put_chain(
-            scope,
-            parent,
-            ours,
-            first_index,
-            size,
-            self.engine_id,
-            tier,
-            self.bytes_per_block,
-            stamp,
+            Chain(
+                scope,
+                parent,
+                ours,
+                first_index,
+                size,
+                self.engine_id,
+                tier,
+                self.bytes_per_block,
+                stamp,
+            )
         )
 
     def _stored_one(self, op: _StoredOp, tokens: bytes, stamp: int, result: ApplyResult) -> None:

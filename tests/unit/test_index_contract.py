@@ -20,7 +20,7 @@ from hypothesis.stateful import (
 )
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.index import IndexBackend, LmdbIndex, MemoryIndex, open_index
+from quillcache_core.index import Chain, IndexBackend, LmdbIndex, MemoryIndex, open_index
 from quillcache_core.model import CacheResidency, CacheTier, IdentityScope, KvBlockKey
 
 pytestmark = pytest.mark.unit
@@ -293,7 +293,7 @@ def test_put_chain_is_put_many_of_the_chain(index: IndexBackend) -> None:
     index.put(rec(chain[1], "w0", nbytes=7))  # one already there
     sibling = rec(key("x", parent="a", block_index=1), "w1")
     index.put(sibling)  # under the same parent
-    index.put_chain(scope, "root", ["a", "b", "c"], 0, 16, "w0", CacheTier.HBM, 100, 9)
+    index.put_chain(Chain(scope, "root", ["a", "b", "c"], 0, 16, "w0", CacheTier.HBM, 100, 9))
     records = [CacheResidency(k, "w0", CacheTier.HBM, 100, 9) for k in chain]
     for k, r in zip(chain, records, strict=True):
         assert index.locate(k) == [r]
@@ -303,7 +303,7 @@ def test_put_chain_is_put_many_of_the_chain(index: IndexBackend) -> None:
     assert (m.puts, m.resident_bytes) == (5, 300 + 1000)
     # A fresh chain (the bulk path) under another scope, chained from an existing block.
     other = ("m0", "tok", "lora", "t1")
-    index.put_chain(other, "c", ["d", "e"], 3, 16, "w1", CacheTier.CPU_DRAM, 5)
+    index.put_chain(Chain(other, "c", ["d", "e"], 3, 16, "w1", CacheTier.CPU_DRAM, 5))
     more = [index.locate_hash("d"), index.locate_hash("e")]
     assert [[r.key for r in found] for found in more] == [
         [KvBlockKey("m0", "tok", "lora", "t1", "c", "d", 3, 16)],
@@ -334,7 +334,7 @@ _AFTER_CHAIN = {
     "clear": lambda i: i.clear(),
     "prefix_scan": lambda i: i.prefix_scan(key().scope(), "b"),
     "put_chain_overlapping": lambda i: i.put_chain(
-        _SCOPE, "b", ["c", "y"], 2, 16, "w1", CacheTier.HBM, 100
+        Chain(_SCOPE, "b", ["c", "y"], 2, 16, "w1", CacheTier.HBM, 100)
     ),
 }
 
@@ -347,7 +347,7 @@ def test_a_chain_answers_like_put_many_of_its_records(index: IndexBackend, first
     reference = MemoryIndex()
     index.put(rec(key("z", parent="q"), "w0"))
     reference.put(rec(key("z", parent="q"), "w0"))
-    index.put_chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100, 9)
+    index.put_chain(Chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100, 9))
     reference.put_many(
         [
             CacheResidency(key(h, parent=p, block_index=n), "w0", CacheTier.HBM, 100, 9)
@@ -378,8 +378,8 @@ def test_a_chain_answers_like_put_many_of_its_records(index: IndexBackend, first
 
 def test_clear_worker_drops_a_chain_nothing_read() -> None:
     idx = MemoryIndex()
-    idx.put_chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100)
-    idx.put_chain(_SCOPE, "root", ["p", "q"], 0, 16, "w1", CacheTier.HBM, 100)
+    idx.put_chain(Chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100))
+    idx.put_chain(Chain(_SCOPE, "root", ["p", "q"], 0, 16, "w1", CacheTier.HBM, 100))
     assert idx.clear_worker("w0") == 4
     assert idx.locate_prefix(_CHAIN) == [] and len(idx) == 2
     assert [r.key.block_hash for found in idx.locate_prefix(["p", "q"]) for r in found] == [
@@ -391,7 +391,7 @@ def test_clear_worker_drops_a_chain_nothing_read() -> None:
 
 def test_removing_a_chain_block_by_block_leaves_nothing_behind() -> None:
     idx = MemoryIndex()
-    idx.put_chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100)
+    idx.put_chain(Chain(_SCOPE, "root", _CHAIN, 0, 16, "w0", CacheTier.HBM, 100))
     assert idx.remove_tier("w0", "b", CacheTier.CPU_DRAM) == 0
     assert idx.remove_block(_T1, "w0", "b") == 0
     assert idx.remove_tier("w1", "b", CacheTier.HBM) == 0
@@ -602,7 +602,9 @@ class IndexVsModel(RuleBasedStateMachine):
         stamp: int,
     ) -> None:
         fields = (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id)
-        self.index.put_chain(fields, parent, chain, first_index, 16, worker, tier, nbytes, stamp)
+        self.index.put_chain(
+            Chain(fields, parent, chain, first_index, 16, worker, tier, nbytes, stamp)
+        )
         expected = []
         for offset, block_hash in enumerate(chain):
             k = KvBlockKey(*fields, parent, block_hash, first_index + offset, 16)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quillcache_core.index import LmdbIndex, MemoryIndex, MirroredIndex, open_index
+from quillcache_core.index import Chain, LmdbIndex, MemoryIndex, MirroredIndex, open_index
 from quillcache_core.model import CacheResidency, CacheTier
 from tests.unit.factories import make_request
 
@@ -65,14 +65,16 @@ def _apply(index, op) -> object:
         chain = KEYS[op[1] : min(op[1] + op[2], CHAIN)]
         first = chain[0]
         return index.put_chain(
-            first[:4],
-            first.prefix_hash,
-            [k.block_hash for k in chain],
-            first.block_index,
-            first.token_count,
-            op[3],
-            op[4],
-            1024,
+            Chain(
+                first[:4],
+                first.prefix_hash,
+                [k.block_hash for k in chain],
+                first.block_index,
+                first.token_count,
+                op[3],
+                op[4],
+                1024,
+            )
         )
     if name == "clear_worker":
         return index.clear_worker(op[1])

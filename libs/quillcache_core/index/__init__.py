@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.index.lmdb_index import LmdbIndex
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.index.mirrored import MirroredIndex
 
-__all__ = ["IndexBackend", "LmdbIndex", "MemoryIndex", "MirroredIndex", "open_index"]
+__all__ = ["Chain", "IndexBackend", "LmdbIndex", "MemoryIndex", "MirroredIndex", "open_index"]
 
 BACKENDS = ("memory", "lmdb")
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from itertools import repeat
+from typing import NamedTuple
 
 from quillcache_core.model import (
     CacheResidency,
@@ -38,35 +39,12 @@ class IndexBackend(abc.ABC):
         for residency in residencies:
             self.put(residency)
 
-    def put_chain(
-        self,
-        scope: tuple[str, str, str | None, str],
-        parent: str,
-        block_hashes: Sequence[str],
-        first_index: int,
-        token_count: int,
-        worker_id: str,
-        tier: CacheTier,
-        nbytes: int,
-        last_access_ms: int = 0,
-    ) -> None:
+    def put_chain(self, chain: Chain) -> None:
         """Put a chain of blocks of one scope, all on one worker and tier: put_many of
-        `chain_records` of the same arguments (persistent backends commit them together;
-        MemoryIndex builds a fresh chain's records only when a read or put first
-        touches one of its blocks)."""
-        self.put_many(
-            chain_records(
-                scope,
-                parent,
-                block_hashes,
-                first_index,
-                token_count,
-                worker_id,
-                tier,
-                nbytes,
-                last_access_ms,
-            )
-        )
+        `chain.records()` (persistent backends commit them together; MemoryIndex builds
+        a fresh chain's records only when a read or put first touches one of its
+        blocks)."""
+        self.put_many(chain.records())
 
     @abc.abstractmethod
     def locate(self, key: KvBlockKey) -> list[CacheResidency]:
@@ -146,21 +124,40 @@ class IndexBackend(abc.ABC):
 _new = tuple.__new__
 
 
-def chain_records(
+class Chain(NamedTuple):
+    """A chain of blocks of one scope, all on one worker and tier (`put_chain`).
+
+    Block i's key is KvBlockKey(*scope, prefix, block_hashes[i], first_index + i,
+    token_count), its prefix `parent` for the first block and the previous hash after.
+    """
+
+    scope: tuple[str, str, str | None, str]
+    parent: str
+    block_hashes: list[str]
+    first_index: int
+    token_count: int
+    worker_id: str
+    tier: CacheTier
+    nbytes: int
+    last_access_ms: int = 0
+
+    def records(self) -> list[CacheResidency]:
+        """The chain's records, in chain order, built in C-level passes (no Python
+        call per block)."""
+        return _chain_records(*self)
+
+
+def _chain_records(
     scope: tuple[str, str, str | None, str],
     parent: str,
-    block_hashes: Sequence[str],
+    block_hashes: list[str],
     first_index: int,
     token_count: int,
     worker_id: str,
     tier: CacheTier,
     nbytes: int,
-    last_access_ms: int = 0,
+    last_access_ms: int,
 ) -> list[CacheResidency]:
-    """The records of a chain, in chain order: block i's key is KvBlockKey(*scope,
-    prefix, block_hashes[i], first_index + i, token_count), its prefix `parent` for the
-    first block and the previous hash after. Built in C-level passes (no Python call
-    per block)."""
     prefixes = [parent]
     prefixes += block_hashes[:-1]
     model_id, tokenizer_id, adapter_id, tenant_id = scope

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from itertools import repeat
 
-from quillcache_core.index.base import IndexBackend, chain_records
+from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.model import (
     CacheResidency,
     CacheTier,
@@ -33,7 +33,7 @@ _ScopeKey = tuple[str, str, str | None, str]
 _PrefixCell = KvBlockKey | set[KvBlockKey]
 
 
-# The key of a pending chain's cell: {_PENDING: put_chain's arguments}, one dict shared
+# The key of a pending chain's cell: {_PENDING: the Chain}, one dict shared
 # by every hash of the chain. A dict, so that the read paths' common case (a record)
 # keeps its one type test; the rare dict case (locate_hash) builds the chain.
 _PENDING = "pending chain"
@@ -130,53 +130,33 @@ class MemoryIndex(IndexBackend):
         for residency in residencies:
             put(residency)
 
-    def put_chain(
-        self,
-        scope: _ScopeKey,
-        parent: str,
-        block_hashes: Sequence[str],
-        first_index: int,
-        token_count: int,
-        worker_id: str,
-        tier: CacheTier,
-        nbytes: int,
-        last_access_ms: int = 0,
-    ) -> None:
+    def put_chain(self, chain: Chain) -> None:
         """Put a chain of blocks of one scope, all on one worker and tier: put_many of
-        `chain_records` of the same arguments (see IndexBackend.put_chain).
+        `chain.records()` (see IndexBackend.put_chain).
 
         The event path's bulk insert. When every hash is new to the index (the rule for
         a fresh chain) nothing is built per block: each hash maps to one shared pending
-        cell holding the arguments, and the chain's records are built, in C-level
+        cell holding the Chain, and the chain's records are built, in C-level
         passes, when a read or a put first touches one of its blocks. Removing a block
         (remove_tier, remove_block, clear_worker) needs no record, so a block removed
         before anything read its chain never has one: no KvBlockKey, no CacheResidency
         for the cycle collector to walk. Otherwise, or once prefix_scan has built its
         index, the records are built now.
         """
+        block_hashes = chain.block_hashes
         count = len(block_hashes)
         if not count:
             return
         by_hash = self._by_hash
         if self._by_prefix is None and by_hash.keys().isdisjoint(block_hashes):
-            hashes = list(block_hashes)
-            cell = {
-                _PENDING: (
-                    scope,
-                    parent,
-                    hashes,
-                    first_index,
-                    token_count,
-                    worker_id,
-                    tier,
-                    nbytes,
-                    last_access_ms,
-                ),
-                _LIVE: count,
-            }
+            # Its own copy of the hashes: the cell outlives the caller's list.
+            chain = chain._replace(block_hashes=list(block_hashes))
+            hashes = chain.block_hashes
+            cell = {_PENDING: chain, _LIVE: count}
             before = len(by_hash)
             by_hash.update(zip(hashes, repeat(cell)))
             if len(by_hash) - before == count:
+                worker_id = chain.worker_id
                 held = self._by_worker.get(worker_id)
                 if held is None:
                     held = self._by_worker[worker_id] = {}
@@ -184,23 +164,11 @@ class MemoryIndex(IndexBackend):
                 self._held[worker_id] = self._held.get(worker_id, 0) + count
                 self._puts += count
                 self._count += count
-                self._bytes += count * nbytes
+                self._bytes += count * chain.nbytes
                 return
             for block_hash in hashes:  # a hash repeats in the chain: undo, then put in order
                 by_hash.pop(block_hash, None)
-        self.put_many(
-            chain_records(
-                scope,
-                parent,
-                block_hashes,
-                first_index,
-                token_count,
-                worker_id,
-                tier,
-                nbytes,
-                last_access_ms,
-            )
-        )
+        self.put_many(chain.records())
 
     def remove_block(self, scope: IdentityScope, worker_id: str, block_hash: str) -> int:
         """Remove every tier of this block that `worker_id` holds under `scope`.
@@ -209,8 +177,8 @@ class MemoryIndex(IndexBackend):
         """
         cell = self._by_hash.get(block_hash)
         if type(cell) is dict and _PENDING in cell:
-            args = cell[_PENDING]
-            if args[5] != worker_id or tuple(args[0]) != (
+            chain = cell[_PENDING]
+            if chain.worker_id != worker_id or tuple(chain.scope) != (
                 scope.model_id,
                 scope.tokenizer_id,
                 scope.adapter_id,
@@ -236,8 +204,8 @@ class MemoryIndex(IndexBackend):
         value = _tier_value(tier)
         cell = self._by_hash.get(block_hash)
         if type(cell) is dict and _PENDING in cell:
-            args = cell[_PENDING]
-            if args[5] != worker_id or args[6]._value_ != value:
+            chain = cell[_PENDING]
+            if chain.worker_id != worker_id or chain.tier._value_ != value:
                 return 0
             self._remove_pending(cell, block_hash)
             return 1
@@ -259,11 +227,11 @@ class MemoryIndex(IndexBackend):
         by_hash = self._by_hash
         for item in held.values():
             if type(item) is dict:  # a pending chain: the hashes still mapped to it go
-                for block_hash in item[_PENDING][2]:
+                for block_hash in item[_PENDING].block_hashes:
                     if by_hash.get(block_hash) is item:
                         del by_hash[block_hash]
                 self._count -= item[_LIVE]
-                self._bytes -= item[_LIVE] * item[_PENDING][7]
+                self._bytes -= item[_LIVE] * item[_PENDING].nbytes
             else:
                 self._unlink(item)
         self._removes += removed
@@ -337,24 +305,24 @@ class MemoryIndex(IndexBackend):
     def _build(self, cell: dict, block_hash: str) -> _HashCell:
         """Build a pending chain's records into its hashes' places; returns the cell
         that `block_hash` has now."""
-        args = cell[_PENDING]
+        chain = cell[_PENDING]
         by_hash = self._by_hash
-        records = chain_records(*args)
+        records = chain.records()
         if cell[_LIVE] != len(records):  # some blocks were removed meanwhile
             records = [r for r in records if by_hash.get(r.key.block_hash) is cell]
         by_hash.update(zip([r.key.block_hash for r in records], records, strict=True))
-        held = self._by_worker[args[5]]
+        held = self._by_worker[chain.worker_id]
         del held[id(cell)]
         held.update(zip(map(id, records), records, strict=True))
         return by_hash[block_hash]
 
     def _remove_pending(self, cell: dict, block_hash: str) -> None:
         """Remove the one record a pending chain has under `block_hash`, unbuilt."""
-        args = cell[_PENDING]
-        worker_id = args[5]
+        chain = cell[_PENDING]
+        worker_id = chain.worker_id
         del self._by_hash[block_hash]
         self._count -= 1
-        self._bytes -= args[7]
+        self._bytes -= chain.nbytes
         self._removes += 1
         cell[_LIVE] -= 1
         if cell[_LIVE]:

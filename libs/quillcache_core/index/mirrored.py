@@ -15,13 +15,12 @@ flushed. A crash loses at most the writes since the last flush, as with
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from quillcache_core.index.base import IndexBackend, chain_records
+from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.model import (
     CacheResidency,
-    CacheTier,
     IdentityScope,
     IndexMetrics,
     KvBlockKey,
@@ -66,37 +65,17 @@ class MirroredIndex(IndexBackend):
         self._memory.put_many(batch)
         self._queue_puts(batch)
 
-    def put_chain(
-        self,
-        scope: tuple[str, str, str | None, str],
-        parent: str,
-        block_hashes: Sequence[str],
-        first_index: int,
-        token_count: int,
-        worker_id: str,
-        tier: CacheTier,
-        nbytes: int,
-        last_access_ms: int = 0,
-    ) -> None:
+    def put_chain(self, chain: Chain) -> None:
         """The memory copy's put_chain; `durable` gets the chain's records, built by
         the thread that drains the queue, in the put_many of the writes around it."""
-        args = (
-            scope,
-            parent,
-            list(block_hashes),
-            first_index,
-            token_count,
-            worker_id,
-            tier,
-            nbytes,
-            last_access_ms,
-        )
-        self._memory.put_chain(*args)
-        if args[2]:
-            self._queue_puts([args])
+        if type(chain.block_hashes) is not list:
+            chain = chain._replace(block_hashes=list(chain.block_hashes))
+        self._memory.put_chain(chain)
+        if chain.block_hashes:
+            self._queue_puts([chain])
 
     def _queue_puts(self, batch: list) -> None:
-        """Queue records (and put_chain argument tuples, which drain expands)."""
+        """Queue records (and put_chain's Chains, which drain expands)."""
         with self._pending_lock:
             pending = self._pending
             if pending and pending[-1][0] == "put_many":
@@ -185,11 +164,11 @@ class MirroredIndex(IndexBackend):
 
 
 def _expand(batch: list) -> list[CacheResidency]:
-    """A queued put_many's records, each put_chain's arguments replaced by its records."""
+    """A queued put_many's records, each put_chain's Chain replaced by its records."""
     records: list[CacheResidency] = []
     for item in batch:
-        if type(item) is tuple:  # put_chain's arguments (a record is a CacheResidency)
-            records += chain_records(*item)
+        if type(item) is Chain:  # (a record is a CacheResidency)
+            records += item.records()
         else:
             records.append(item)
     return records
