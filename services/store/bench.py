@@ -482,7 +482,8 @@ async def peer_figures(
 
     async def run_pull() -> float:
         start = time.perf_counter()
-        results = [r async for r in dest[0].open_pull("store-a", a_data, keys, timeout_s=300)]
+        pulled = dest[0].open_pull("store-a", a_data, keys, timeout_s=300)
+        results = [r async for batch in pulled for r in batch]
         seconds = time.perf_counter() - start
         if len(results) != n or not all(r.ok for r in results):
             raise RuntimeError(f"pull failed: {[r for r in results if not r.ok][:1]}")

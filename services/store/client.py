@@ -345,7 +345,7 @@ class StoreClient:
         self._chan()
         return self._put_rpc(timeout=timeout_s or self.timeout_s)
 
-    def open_pull(
+    async def open_pull(
         self,
         source_node: str,
         source_data_address: str,
@@ -354,11 +354,18 @@ class StoreClient:
         tier: CacheTier = CacheTier.CPU_DRAM,
         durable: bool = False,
         timeout_s: float | None = None,
-    ) -> AsyncIterator[store_pb2.PullResult]:
+        max_batch_results: int = 16,
+    ) -> AsyncIterator[list[store_pb2.PullResult]]:
         """Have this node pull `keys` from a source node's block-data port (the block
-        data path): a stream of PullResults, one per key (`index`; not necessarily in
-        order), as each block is stored or fails. Not retried; raises grpc.aio.AioRpcError (see `domain_error`).
+        data path): lists of PullResults, one result per key in all (`index`; not
+        necessarily in order), as blocks are stored or fail. The node sends up to
+        `max_batch_results` per message, those finished since its last one (a message
+        per block costs both ends more than storing the block); a node that does not
+        batch yields lists of one. Not retried; raises grpc.aio.AioRpcError (see
+        `domain_error`). Closing the iterator cancels the call.
         """
+        if max_batch_results < 1:
+            raise InvalidArgument(f"max_batch_results must be >= 1, got {max_batch_results}")
         self._chan()
         request = store_pb2.PullRequest(
             source_node=source_node,
@@ -366,5 +373,12 @@ class StoreClient:
             keys=[wire.key_to_proto(k) for k in keys],
             tier=tier_to_proto(tier),
             durable=durable,
+            max_batch_results=max_batch_results,
         )
-        return self._pull_rpc(request, timeout=timeout_s or self.timeout_s)
+        call = self._pull_rpc(request, timeout=timeout_s or self.timeout_s)
+        try:
+            async for message in call:
+                yield list(message.results) if message.results else [message]
+        finally:
+            if not call.done():
+                call.cancel()

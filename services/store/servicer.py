@@ -28,7 +28,7 @@ from quillcache_core.model import CacheTier
 from quillcache_core.proto_tiers import tier_from_proto, tier_to_proto
 from quillcache_core.rpc import stream_errors, unary_errors
 from quillcache_store import dataproto, wire
-from quillcache_store.datapull import BlockPuller, PullOutcome
+from quillcache_store.datapull import BlockPuller, OutcomeBatches, PullOutcome
 from quillcache_store.pooled import PooledStore
 from quillcache_store.tiers import TieredStore
 
@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["Store"].full_name
 MIN_GET_CHUNK_BYTES = 16 * 1024
 DRAIN_S = 5.0  # longest a failed Put keeps reading its client's stream
+# Pull with max_batch_results: at most this many results per message (whatever the
+# client asks), sent at most this long after the first of them is known. A message
+# per block cost the destination and the transfer service more CPU than storing it.
+PULL_MAX_BATCH_RESULTS = 64
+PULL_BATCH_LINGER_S = 0.02
 
 
 class ByteBudget:
@@ -56,6 +61,19 @@ class ByteBudget:
         async with self._cond:
             self.used -= nbytes
             self._cond.notify_all()
+
+
+def _pull_result(outcome: PullOutcome) -> store_pb2.PullResult:
+    return store_pb2.PullResult(
+        index=outcome.index,
+        ok=outcome.ok,
+        bytes=outcome.bytes,
+        checksum=outcome.checksum,
+        tier=tier_to_proto(outcome.tier),
+        code=outcome.code,
+        error=outcome.error,
+        source_failed=outcome.source_failed,
+    )
 
 
 def _lenient(decode):
@@ -315,7 +333,15 @@ class StoreServicer:
         keys = [wire.key_from_proto(k, f"keys[{i}]") for i, k in enumerate(request.keys)]
         tier = _put_tier(request.tier)
         loop = asyncio.get_running_loop()
-        results: asyncio.Queue[PullOutcome] = asyncio.Queue()
+        batched = request.max_batch_results > 0
+        if batched:
+            per_message = min(request.max_batch_results, PULL_MAX_BATCH_RESULTS)
+            batches = OutcomeBatches(
+                loop, len(keys), max_batch=per_message, linger_s=PULL_BATCH_LINGER_S
+            )
+        else:  # an old client: one result per message, each as soon as it is known
+            per_message = 1
+            batches = OutcomeBatches(loop, len(keys), max_batch=1, linger_s=0.0)
         cancelled = threading.Event()
         # Several connections at once: one stream leaves both ends idle in turns (a
         # block's header, checksum and commit); two kept this machine's cores busier.
@@ -326,7 +352,7 @@ class StoreServicer:
 
             def deliver(outcome: PullOutcome, indices=indices) -> None:
                 outcome.index = indices[outcome.index]
-                loop.call_soon_threadsafe(results.put_nowait, outcome)
+                batches.add(outcome)
 
             pulls.append(
                 loop.run_in_executor(
@@ -343,19 +369,26 @@ class StoreServicer:
                 )
             )
         pulling = asyncio.gather(*pulls)
+
+        def check(done: asyncio.Future) -> None:
+            # A pull that raised (a bug) delivered no outcome for the rest: fail the
+            # call rather than wait for them.
+            if not done.cancelled() and done.exception() is not None:
+                batches.fail(done.exception())
+
+        pulling.add_done_callback(check)
         try:
-            for _ in keys:
-                outcome = await results.get()
-                yield store_pb2.PullResult(
-                    index=outcome.index,
-                    ok=outcome.ok,
-                    bytes=outcome.bytes,
-                    checksum=outcome.checksum,
-                    tier=tier_to_proto(outcome.tier),
-                    code=outcome.code,
-                    error=outcome.error,
-                    source_failed=outcome.source_failed,
-                )
+            sent = 0
+            while sent < len(keys):
+                batch = await batches.next_batch()
+                sent += len(batch)
+                # What queued while the loop was busy may exceed a message.
+                for start in range(0, len(batch), per_message):
+                    part = batch[start : start + per_message]
+                    if batched:
+                        yield store_pb2.PullResult(results=[_pull_result(o) for o in part])
+                    else:
+                        yield _pull_result(part[0])
             await pulling
         finally:
             cancelled.set()  # the caller went away: stop between blocks

@@ -6,7 +6,9 @@ Two data paths, one orchestration (retries, progress, per-block results):
   destination is told to pull (`Store.Pull`), and fetches the blocks from the source's
   raw TCP block-data port, straight into its DRAM pool, verifying each block against
   the checksum the source recorded. The bytes cross the network once, store to store;
-  this service only sees one small result per block. Blocks go in Pull calls of up to
+  this service only sees a small result per block, several to a message (up to
+  `progress_every`: the destination sends what finished since its last message, so
+  neither side pays a message and a wake-up per block). Blocks go in Pull calls of up to
   `PULL_BATCH_BLOCKS`, one call at a time: one connection streams them back to back
   (TCP's flow control bounds what is in flight; `window` does not apply). Pull, not
   push: the destination owns the buffers the bytes land in and the decision to make a
@@ -323,20 +325,28 @@ async def _pull_blocks(
                     tier=opts.tier,
                     durable=opts.durable,
                     timeout_s=opts.block_timeout_s * len(batch),
+                    # Messages no larger than a progress step: progress stays as fine.
+                    max_batch_results=opts.progress_every,
                 )
-                async for result in call:
-                    i = batch[result.index]
-                    seen.add(i)
-                    side = "source" if result.source_failed else "destination"
-                    if result.ok:
-                        copied.append((i, result.bytes))
-                        if mode != "move" or len(copied) >= MOVE_DELETE_BATCH:
-                            await _finish_copied(mode, source, names, keys, copied, report)
-                            copied = []
-                    elif result.code == "UNAVAILABLE":
-                        retry[i] = (side, result.error)
-                    else:
-                        report(i, _failure(keys[i], side, sides[side], result.code, result.error))
+                async for results in call:  # several blocks' results per message
+                    for result in results:
+                        i = batch[result.index]
+                        seen.add(i)
+                        side = "source" if result.source_failed else "destination"
+                        if result.ok:
+                            copied.append((i, result.bytes))
+                        elif result.code == "UNAVAILABLE":
+                            retry[i] = (side, result.error)
+                        else:
+                            report(
+                                i, _failure(keys[i], side, sides[side], result.code, result.error)
+                            )
+                    if mode != "move":
+                        await _finish_copied(mode, source, names, keys, copied, report)
+                        copied = []
+                    while len(copied) >= MOVE_DELETE_BATCH:
+                        group, copied = copied[:MOVE_DELETE_BATCH], copied[MOVE_DELETE_BATCH:]
+                        await _finish_copied(mode, source, names, keys, group, report)
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or exc.code().name
                 for i in batch:
@@ -418,7 +428,10 @@ async def run_transfer(
     started = time.monotonic()
     total = len(keys)
     outcomes: list[BlockOutcome | None] = [None] * total
-    done_queue: asyncio.Queue[int] = asyncio.Queue()
+    # Indices of the blocks finished since the loop below last looked, and its wake-up:
+    # results arrive in batches, so the loop runs once per batch, not per block.
+    finished: list[int] = []
+    wake = asyncio.Event()
     todo = list(range(total))
     if mode == "prefetch":
         present = await destination.exists(keys)
@@ -428,7 +441,7 @@ async def run_transfer(
                 todo.append(i)
             else:
                 outcomes[i] = BlockOutcome(keys[i], True, skipped=True)
-                done_queue.put_nowait(i)
+                finished.append(i)
     window = asyncio.Semaphore(max(1, opts.window))
     breaker = _Breaker()
 
@@ -446,13 +459,13 @@ async def run_transfer(
                 )
             finally:
                 stats.inflight -= 1
-        outcomes[i] = outcome
-        done_queue.put_nowait(i)
+        report(i, outcome)
 
     def report(i: int, outcome: BlockOutcome) -> None:
         if outcomes[i] is None:
             outcomes[i] = outcome
-            done_queue.put_nowait(i)
+            finished.append(i)
+            wake.set()
 
     async def pull_all() -> None:
         try:
@@ -476,28 +489,34 @@ async def run_transfer(
     last_emit = time.monotonic()
     try:
         while done < total:
-            timeout = opts.progress_interval_s - (time.monotonic() - last_emit)
-            try:
-                i = await asyncio.wait_for(done_queue.get(), timeout=max(timeout, 0.001))
-            except TimeoutError:
-                last_emit = time.monotonic()
-                yield Progress(total, done, failed, skipped, nbytes, last_emit - started, fresh)
-                fresh = []
-                continue
-            outcome = outcomes[i]
-            stats.count(mode, outcome)
-            done += 1
-            fresh.append(outcome)
-            if outcome.skipped:
-                skipped += 1
-            elif outcome.ok:
-                nbytes += outcome.bytes
-            else:
-                failed += 1
-            if len(fresh) >= opts.progress_every and done < total:
-                last_emit = time.monotonic()
-                yield Progress(total, done, failed, skipped, nbytes, last_emit - started, fresh)
-                fresh = []
+            if not finished:
+                timeout = opts.progress_interval_s - (time.monotonic() - last_emit)
+                try:
+                    async with asyncio.timeout(max(timeout, 0.001)):
+                        await wake.wait()
+                except TimeoutError:
+                    last_emit = time.monotonic()
+                    yield Progress(total, done, failed, skipped, nbytes, last_emit - started, fresh)
+                    fresh = []
+                    continue
+            wake.clear()
+            ready = finished[:]
+            del finished[:]
+            for i in ready:
+                outcome = outcomes[i]
+                stats.count(mode, outcome)
+                done += 1
+                fresh.append(outcome)
+                if outcome.skipped:
+                    skipped += 1
+                elif outcome.ok:
+                    nbytes += outcome.bytes
+                else:
+                    failed += 1
+                if len(fresh) >= opts.progress_every and done < total:
+                    last_emit = time.monotonic()
+                    yield Progress(total, done, failed, skipped, nbytes, last_emit - started, fresh)
+                    fresh = []
         yield Progress(
             total,
             done,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
@@ -78,11 +79,16 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         return client, data_address
 
     def _source_data_address(self, node_id: str, known: str):
-        """Re-resolves the source's data address before each retry (it may have restarted
-        on another port); keeps the last known one while its record is gone."""
+        """The first call returns `known` (just resolved); later ones (before each
+        retry or next Pull) re-resolve the source's data address (it may have restarted
+        on another port), keeping the last known one while its record is gone."""
         last = [known]
+        fresh = [True]
 
         async def resolve() -> str:
+            if fresh[0]:
+                fresh[0] = False
+                return last[0]
             record = await self.registry.get("store", node_id)
             if record is not None and record_data_address(record):
                 last[0] = record_data_address(record)
@@ -120,8 +126,16 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
             raise InvalidArgument(
                 f"chunk_bytes must be in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}, got {chunk}"
             )
-        source, source_data = await self._resolve(request.source_node)
-        destination, destination_data = await self._resolve(request.destination_node)
+        # Both at once (a registry round trip each); an unknown source is named first.
+        resolved = await asyncio.gather(
+            self._resolve(request.source_node),
+            self._resolve(request.destination_node),
+            return_exceptions=True,
+        )
+        for outcome in resolved:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        (source, source_data), (destination, destination_data) = resolved
         # Both ends must have a data port: the destination's Pull needs its own.
         data_address = None
         if cfg.data_path and source_data and destination_data:

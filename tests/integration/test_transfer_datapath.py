@@ -11,7 +11,7 @@ import urllib.request
 import grpc
 import pytest
 
-from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
+from quillcache.v1 import store_pb2, store_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from quillcache_core.model import CacheTier
 from quillcache_core.proto_tiers import tier_to_proto
 from quillcache_store import dataproto, wire
@@ -34,7 +34,7 @@ def metric(proc, name: str) -> float:
 async def _pull(address: str, source: str, keys):
     async with StoreClient(address) as client:
         return sorted(
-            [r async for r in client.open_pull("fake-source", source, keys)],
+            [r async for batch in client.open_pull("fake-source", source, keys) for r in batch],
             key=lambda r: r.index,
         )
 
@@ -79,6 +79,58 @@ def test_copy_moves_real_bytes_store_to_store_and_verifies_them(fleet):
     assert metric(a, "quillcache_store_data_sent_bytes_total") == total
     assert metric(b, "quillcache_store_data_pulled_bytes_total") == total
     assert metric(b, "quillcache_store_data_pull_failures_total") == 0
+
+
+def test_pull_batches_results_when_asked_and_old_clients_get_one_per_message(fleet):
+    """A Pull asking for batches gets several results per message (at most as many as
+    asked), a Pull that does not (an old client) one per message; both store the same
+    verified bytes and account for every block exactly once."""
+    a = fleet.store("store-a", dram=128 * 1024 * 1024)
+    b = fleet.store("store-b", dram=128 * 1024 * 1024)
+    keys = [block_key(i, chain="batch") for i in range(24)] + [block_key(99, chain="absent")]
+    payloads = [kv_payload(900 + i, SHAPES["0.5MiB"]) for i in range(24)]
+
+    async def put_all():
+        async with StoreClient(a.grpc_address) as client:
+            for key, payload in zip(keys[:24], payloads, strict=True):
+                await client.put(key, payload)
+
+    async def delete_at_b():
+        async with StoreClient(b.grpc_address) as client:
+            await client.delete(keys)
+
+    run(put_all())
+    with grpc.insecure_channel(b.grpc_address) as channel:
+        pull = store_pb2_grpc.StoreStub(channel).Pull
+        shapes = {}
+        for asked in (5, 0):
+            request = store_pb2.PullRequest(
+                source_node="store-a",
+                source_data_address=a.fields["data"],
+                keys=[wire.key_to_proto(k) for k in keys],
+                max_batch_results=asked,
+            )
+            messages = list(pull(request, timeout=60))
+            if asked:
+                results = [r for m in messages for r in m.results]
+                # A batch message carries its results only.
+                assert all(not m.ok and not m.code and m.results for m in messages)
+            else:
+                results = messages
+                assert all(not m.results for m in messages)
+            shapes[asked] = [len(m.results) for m in messages]
+            by_index = {r.index: r for r in results}
+            assert sorted(r.index for r in results) == list(range(len(keys)))
+            assert all(by_index[i].ok for i in range(24))
+            assert by_index[24].code == "NOT_FOUND" and by_index[24].source_failed
+            assert [by_index[i].checksum for i in range(24)] == [
+                payload_checksum(p) for p in payloads
+            ]
+            _, data, _ = run(_read_back(b.grpc_address, keys[:24]))
+            assert [data[k.block_hash] for k in keys[:24]] == payloads
+            run(delete_at_b())
+    assert max(shapes[5]) <= 5 and len(shapes[5]) < len(keys)  # several per message
+    assert len(shapes[0]) == len(keys)  # one per message
 
 
 class FakeSource:

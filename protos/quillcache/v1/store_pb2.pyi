@@ -124,21 +124,23 @@ class StoreStatsResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., peer_fetches: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("source_node", "source_data_address", "keys", "tier", "durable")
+    __slots__ = ("source_node", "source_data_address", "keys", "tier", "durable", "max_batch_results")
     SOURCE_NODE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_RESULTS_FIELD_NUMBER: _ClassVar[int]
     source_node: str
     source_data_address: str
     keys: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockKey]
     tier: _common_pb2.Tier
     durable: bool
-    def __init__(self, source_node: _Optional[str] = ..., source_data_address: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[_common_pb2.BlockKey, _Mapping]]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., durable: _Optional[bool] = ...) -> None: ...
+    max_batch_results: int
+    def __init__(self, source_node: _Optional[str] = ..., source_data_address: _Optional[str] = ..., keys: _Optional[_Iterable[_Union[_common_pb2.BlockKey, _Mapping]]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., durable: _Optional[bool] = ..., max_batch_results: _Optional[int] = ...) -> None: ...
 
 class PullResult(_message.Message):
-    __slots__ = ("index", "ok", "bytes", "checksum", "tier", "code", "error", "source_failed")
+    __slots__ = ("index", "ok", "bytes", "checksum", "tier", "code", "error", "source_failed", "results")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +149,7 @@ class PullResult(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     index: int
     ok: bool
     bytes: int
@@ -155,4 +158,5 @@ class PullResult(_message.Message):
     code: str
     error: str
     source_failed: bool
-    def __init__(self, index: _Optional[int] = ..., ok: _Optional[bool] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., code: _Optional[str] = ..., error: _Optional[str] = ..., source_failed: _Optional[bool] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[PullResult]
+    def __init__(self, index: _Optional[int] = ..., ok: _Optional[bool] = ..., bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., code: _Optional[str] = ..., error: _Optional[str] = ..., source_failed: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[PullResult, _Mapping]]] = ...) -> None: ...

@@ -124,7 +124,8 @@ class StoreServicer:
     def Pull(self, request, context):
         """Pull blocks from a source node's block-data port into this node. One result
         per key as each block is stored (or fails); over several connections at once,
-        so not necessarily in request order (see PullResult.index).
+        so not necessarily in request order (see PullResult.index). A client that sets
+        PullRequest.max_batch_results gets several per message (PullResult.results).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
