@@ -38,7 +38,11 @@ class ConductorConfig:
     reservation_ttl_s: float = opt(300.0, "a reservation not finished within this time is released")
     block_bytes: int = opt(2 * 1024 * 1024, "KV bytes per block when a request or event omits it")
     max_blocks_per_request: int = opt(16384, "Plan and Observe reject longer block lists")
-    plan_alternatives: int = opt(8, "a Plan reply lists the costs of this many next-best engines")
+    plan_alternatives: int = opt(
+        8,
+        "a Plan reply lists the costs of up to this many next-best engines "
+        "(a request's max_others may ask for fewer)",
+    )
     kv_events: bool = opt(
         True, "subscribe to engines' ZMQ KV event publishers found in the registry"
     )
