@@ -274,7 +274,7 @@ def source_cost(
 ) -> tuple[float, ActionKind] | None:
     """Cost of using one residency on `engine`, or None when it is no source for it.
 
-    The readable definition: the cost matrix and `actions_for_prefix` inline exactly
+    The readable definition: the cost rows (`_run_costs`) and `actions_for_prefix` inline exactly
     this arithmetic on the hot path, and the tests check them against it.
     """
     if residency.worker_id == engine.id:
@@ -801,7 +801,7 @@ def _run_actions(
     reused = 0
     for first, length in runs:
         cost, best, local = _best_source(cm, engine, usable[first], store_domains, False)
-        if best is None:  # cannot happen for a prefix the matrix priced finite
+        if best is None:  # cannot happen for a prefix the rows priced finite
             break
         kind = ActionKind.LOCAL_HIT if local else ActionKind.FETCH
         out.append(ActionRun(kind, first, length, best.worker_id, best.tier, cost, cost * length))
