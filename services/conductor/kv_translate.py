@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import itemgetter
 from typing import Any
 
 from quillcache_conductor.kv_wire import (
@@ -48,6 +47,7 @@ from quillcache_conductor.kv_wire import (
     bulk_from_events,
     engine_hash,
     engine_key,
+    stored_shape,
 )
 from quillcache_core.hashing import ROOT_PARENT, identity_digest, packed_block_hashes
 from quillcache_core.index.base import Chain, IndexBackend
@@ -110,8 +110,6 @@ _Run = list[Any]
 _LIVE = 6
 
 _new = tuple.__new__
-# A stored op (kv_wire's layout) -> its (block_size, tier, group_idx).
-_shape_of = itemgetter(4, 5, 6)
 _StoredOp = tuple[Any, ...]
 
 
@@ -300,13 +298,13 @@ class EngineEventTranslator:
             self._unknown_parent(op, result)
             return first + 1
         stop = first + 1
-        shape = _shape_of(op)
+        shape = stored_shape(op)
         engine_keys = op[2]
         last = engine_keys[-1]
         # Consecutive stored ops' token ids are consecutive, so only the chain and the
         # shape decide.
         for nxt in ops[first + 1 :]:
-            if nxt[0] != OP_STORED or nxt[3] != last or _shape_of(nxt) != shape:
+            if nxt[0] != OP_STORED or nxt[3] != last or stored_shape(nxt) != shape:
                 break
             if stop == first + 1:
                 engine_keys = list(engine_keys)
@@ -389,20 +387,6 @@ class EngineEventTranslator:
             self._next_run = run_id + 1
         refs.update(zip(ours, repeat(1)))
         scope = (self.model_id, self.tokenizer_id, ident[0], ident[1])
-        self._put_chain(scope, parent, ours, first_index, size, tier, stamp)
-        self.stats.blocks_stored += count
-        return True
-
-    def _put_chain(
-        self,
-        scope: tuple[str, str, str | None, str],
-        parent: str,
-        ours: list[str],
-        first_index: int,
-        size: int,
-        tier: CacheTier,
-        stamp: int,
-    ) -> None:
         self.index.put_chain(
             Chain(
                 scope,
@@ -416,6 +400,8 @@ class EngineEventTranslator:
                 stamp,
             )
         )
+        self.stats.blocks_stored += count
+        return True
 
     def _stored_one(self, op: _StoredOp, tokens: bytes, stamp: int, result: ApplyResult) -> None:
         """Apply one stored event block by block (the general path)."""

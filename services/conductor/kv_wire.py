@@ -54,6 +54,7 @@ __all__ = [
     "OP_STORED",
     "BulkBatch",
     "StoredRun",
+    "stored_shape",
     "DecodedBatch",
     "EngineKey",
     "EngineAllCleared",
@@ -443,11 +444,12 @@ OP_STORED, OP_REMOVED, OP_CLEARED, OP_INVALID = 0, 1, 2, 3
 
 _BIG_ENDIAN = sys.byteorder == "big"
 _last = itemgetter(-1)
-# A stored op's kind, keys, parent and (block_size, tier, group_idx).
+# A stored op's kind, keys, parent and (block_size, tier, group_idx): events that
+# continue one chain in one run have the same shape.
 _kind_of = itemgetter(0)
 _keys_of = itemgetter(2)
 _parent_of = itemgetter(3)
-_shape_of = itemgetter(4, 5, 6)
+stored_shape = itemgetter(4, 5, 6)
 
 
 def engine_key(engine_hash: str) -> EngineKey:
@@ -641,7 +643,7 @@ def _run_of(ops: list[tuple[Any, ...]]) -> StoredRun | None:
     lasts = list(map(_last, map(_keys_of, ops)))
     if parents[1:] != lasts[:-1]:
         return None
-    shapes = list(map(_shape_of, ops))
+    shapes = list(map(stored_shape, ops))
     if shapes.count(shapes[0]) != count:
         return None
     keys = ops[0][2] if count == 1 else list(chain.from_iterable(map(_keys_of, ops)))

@@ -333,15 +333,16 @@ class StoreServicer:
         keys = [wire.key_from_proto(k, f"keys[{i}]") for i, k in enumerate(request.keys)]
         tier = _put_tier(request.tier)
         loop = asyncio.get_running_loop()
+        # An old client (no max_batch_results): one result per message, each as soon
+        # as it is known.
         batched = request.max_batch_results > 0
-        if batched:
-            per_message = min(request.max_batch_results, PULL_MAX_BATCH_RESULTS)
-            batches = OutcomeBatches(
-                loop, len(keys), max_batch=per_message, linger_s=PULL_BATCH_LINGER_S
-            )
-        else:  # an old client: one result per message, each as soon as it is known
-            per_message = 1
-            batches = OutcomeBatches(loop, len(keys), max_batch=1, linger_s=0.0)
+        per_message = min(request.max_batch_results, PULL_MAX_BATCH_RESULTS) if batched else 1
+        batches = OutcomeBatches(
+            loop,
+            len(keys),
+            max_batch=per_message,
+            linger_s=PULL_BATCH_LINGER_S if batched else 0.0,
+        )
         cancelled = threading.Event()
         # Several connections at once: one stream leaves both ends idle in turns (a
         # block's header, checksum and commit); two kept this machine's cores busier.
