@@ -18,7 +18,10 @@ still decode. Batch-level oddities (a non-numeric `ts`, a non-integer rank) are
 reported as EventErrors with index -1 and the field set to None.
 
 `decode_bulk(payload)` is the conductor's hot path: the same events, errors and
-positions, as a `BulkBatch` of compact ops instead of one object per event. Engine
+positions, as a `BulkBatch` of compact ops instead of one object per event. A batch
+of valid BlockStored events only (the common one) is read by typed msgspec decoders
+(`kv_schema`) that check every value while decoding; any other batch, and any batch
+they refuse, takes the route below. Engine
 hashes stay machine values (`EngineKey`: the u64 as an int, bytes as bytes), every
 stored event's token ids are packed once per batch into one little-endian u32
 buffer, and the type and range checks run once per batch in C (`set(map(type, ..))`,
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, repeat
 from operator import itemgetter, mul
@@ -43,6 +46,18 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from quillcache_conductor.kv_schema import (
+    CACHE_SALT,
+    EXTRA_KEYS,
+    GROUP,
+    HASHES,
+    LORA_NAME,
+    MEDIUM,
+    PARENT,
+    SIZE,
+    TOKENS,
+    stored_columns,
+)
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CacheTier
 from quillcache_core.vllm_events import REMOVED_FIELDS, STORED_FIELDS
@@ -443,7 +458,9 @@ EngineKey = int | bytes | str
 OP_STORED, OP_REMOVED, OP_CLEARED, OP_INVALID = 0, 1, 2, 3
 
 _BIG_ENDIAN = sys.byteorder == "big"
+_umin = np.minimum.reduce  # np.min without its Python-level wrapper
 _last = itemgetter(-1)
+_first = itemgetter(0)
 # A stored op's kind, keys, parent and (block_size, tier, group_idx): events that
 # continue one chain in one run have the same shape.
 _kind_of = itemgetter(0)
@@ -715,7 +732,7 @@ def _columnar_ops(raw_events: list[Any]) -> _Columnar | None:
             tiers = list(map(_TIER_CACHE.__getitem__, columns[6]))
     else:
         tiers = [CacheTier.HBM] * count
-    loras: Any = repeat(None, count)
+    loras: Any = None
     if width > 7:
         if not set(map(type, columns[7])) <= optional or "" in columns[7]:
             return None
@@ -727,12 +744,45 @@ def _columnar_ops(raw_events: list[Any]) -> _Columnar | None:
             return None
         if list in extra_types:
             extras = columns[8]
-    groups: Any = repeat(None, count)
+    groups: Any = None
     if width > 9:
         if not set(map(type, columns[9])) <= {type(None), int}:
             return None
         groups = columns[9]
-    keys = list(chain.from_iterable(hashes))
+    flat: list[int] = []
+    add = flat.extend
+    for ids in tokens:
+        add(ids)
+    packed = _checked_tokens(flat)
+    if packed is None:
+        return None
+    return _from_columns(
+        hashes, parents, sizes, token_counts, packed, tiers, loras, extras, groups, None
+    )
+
+
+def _from_columns(
+    hashes: Sequence[list[Any]],
+    parents: Sequence[Any],
+    sizes: Sequence[int],
+    token_counts: list[int],
+    packed: bytes,
+    tiers: list[CacheTier],
+    loras: Sequence[str | None] | None,
+    extras: Sequence[Any] | None,
+    groups: Sequence[int | None] | None,
+    salts: Sequence[str | None] | None,
+) -> _Columnar | None:
+    """The ops (and StoredRun) of BlockStored events given column by column, every
+    value already of its right type and every token id packed; checks what spans
+    columns (hash kinds, the chain). `salts` are map-form events' own cache_salt
+    fields (None: none has one); a missing salt comes from `extras`."""
+    count = len(hashes)
+    keys = (
+        list(map(_first, hashes))
+        if max(map(len, hashes)) == 1
+        else list(chain.from_iterable(hashes))
+    )
     lasts = keys if len(keys) == count else list(map(_last, hashes))
     # One chain: each event's parent is the previous event's last block. Equal values
     # of one hash type (checked next) are equal hashes, so only the first parent needs
@@ -751,21 +801,19 @@ def _columnar_ops(raw_events: list[Any]) -> _Columnar | None:
         # Equal is not enough: 1.0 and True equal 1 but are no hashes.
         if set(map(type, parents[1:])) != {bytes if kind == "bytes" else int}:
             return None
-    packed = _checked_tokens(list(chain.from_iterable(tokens)))
-    if packed is None:
-        return None
     if kind == "i64":
         hashes = [[h & _U64_MASK for h in ks] for ks in hashes]
         parents = [None if p is None else p & _U64_MASK for p in parents]
         keys = list(chain.from_iterable(hashes))
 
+    def salt_of(position: int) -> str | None:
+        own = salts[position] if salts is not None else None
+        if own is not None or extras is None or extras[position] is None:
+            return own
+        return _salt_from_extra_keys(extras[position], loras[position] if loras else None)
+
     def make_ops() -> list[tuple[Any, ...]]:
-        salts: Any = repeat(None, count)
-        if extras is not None:
-            salts = [
-                None if extra is None else _salt_from_extra_keys(extra, lora)
-                for extra, lora in zip(extras, columns[7], strict=True)
-            ]
+        plain = salts is None and extras is None
         return list(
             zip(
                 repeat(OP_STORED),
@@ -774,9 +822,9 @@ def _columnar_ops(raw_events: list[Any]) -> _Columnar | None:
                 parents,
                 sizes,
                 tiers,
-                groups,
-                loras,
-                salts,
+                repeat(None, count) if groups is None else groups,
+                repeat(None, count) if loras is None else loras,
+                repeat(None, count) if plain else map(salt_of, range(count)),
                 accumulate(token_counts, initial=0),
             )
         )
@@ -786,18 +834,16 @@ def _columnar_ops(raw_events: list[Any]) -> _Columnar | None:
         one_chain
         and sizes.count(sizes[0]) == count
         and tiers.count(tiers[0]) == count
-        and (width <= 9 or groups.count(groups[0]) == count)
+        and (groups is None or groups.count(groups[0]) == count)
     ):
-        lora = columns[7][0] if width > 7 else None
-        extra = extras[0] if extras is not None else None
         run = StoredRun(
             keys,
             parents[0],
             sizes[0],
             tiers[0],
-            columns[9][0] if width > 9 else None,
-            lora,
-            None if extra is None else _salt_from_extra_keys(extra, lora),
+            None if groups is None else groups[0],
+            None if loras is None else loras[0],
+            salt_of(0),
             count,
         )
     return make_ops, packed, run
@@ -959,7 +1005,7 @@ def _checked_tokens(flat: list[int]) -> bytes | None:
     except (OverflowError, TypeError):
         return None
     # ... but not bools, which pack as 0 and 1: only then look at every type.
-    if flat and int(np.frombuffer(packed, dtype=np.uint32).min()) <= 1:
+    if flat and int(_umin(np.frombuffer(packed, dtype=np.uint32))) <= 1:
         if set(map(type, flat)) != {int}:
             return None
     if _BIG_ENDIAN:
@@ -972,6 +1018,9 @@ def decode_bulk(payload: bytes) -> BulkBatch:
 
     Raises WireError only if the payload is not a batch at all.
     """
+    typed = _typed_bulk(payload)
+    if typed is not None:
+        return typed
     ts, raw_events, rank = _unpack(payload)
     errors: list[EventError] = []
     out_ts, out_rank = _batch_fields(ts, rank, errors)
@@ -988,3 +1037,73 @@ def decode_bulk(payload: bytes) -> BulkBatch:
     ops, packed, event_errors = result
     errors.extend(event_errors)
     return BulkBatch(out_ts, out_rank, ops, packed, errors, run=_run_of(ops))
+
+
+def _typed_bulk(payload: bytes) -> BulkBatch | None:
+    """The BulkBatch of a valid batch of BlockStored events only, through the typed
+    decoders (kv_schema), or None if the payload is anything else or holds any value
+    the per-event decoder would reject or treat specially."""
+    decoded = stored_columns(payload)
+    if decoded is None:
+        return None
+    ts, rank, columns, map_form = decoded
+    hashes, tokens, sizes = columns[HASHES], columns[TOKENS], columns[SIZE]
+    count = len(hashes)
+    lengths = list(map(len, hashes))
+    token_counts = list(map(len, tokens))
+    if min(lengths) == 0 or token_counts != list(map(mul, lengths, sizes)):
+        return None
+    media = columns[MEDIUM]
+    if media.count(media[0]) == count:
+        tier = _TIER_CACHE.get(media[0])
+        if tier is None:
+            return None
+        tiers = [tier] * count
+    else:
+        tiers = list(map(_TIER_CACHE.get, media))
+        if None in tiers:
+            return None
+    loras: Sequence[str | None] | None = columns[LORA_NAME]
+    if loras.count(None) == count:
+        loras = None
+    elif "" in loras:
+        return None
+    extras: Sequence[Any] | None = columns[EXTRA_KEYS]
+    if extras.count(None) == count:
+        extras = None
+    groups: Sequence[int | None] | None = columns[GROUP]
+    if groups.count(None) == count:
+        groups = None
+    salts: Sequence[str | None] | None = None
+    if map_form:
+        salts = columns[CACHE_SALT]
+        if salts.count(None) == count:
+            salts = None
+        elif "" in salts:
+            return None
+    flat: list[int] = []
+    add = flat.extend
+    for ids in tokens:
+        add(ids)
+    packed = array("I", flat)  # in range: the decoder checked every id
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    columnar = _from_columns(
+        hashes,
+        columns[PARENT],
+        sizes,
+        token_counts,
+        packed.tobytes(),
+        tiers,
+        loras,
+        extras,
+        groups,
+        salts,
+    )
+    if columnar is None:
+        return None
+    make_ops, packed_tokens, run = columnar
+    out_ts = None if ts is None else float(ts)
+    if run is not None:
+        return BulkBatch(out_ts, rank, None, packed_tokens, [], run=run, make_ops=make_ops)
+    return BulkBatch(out_ts, rank, make_ops(), packed_tokens, [])

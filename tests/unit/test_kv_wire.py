@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from quillcache_conductor.kv_schema import stored_columns
 from quillcache_conductor.kv_wire import (
     BulkBatch,
     DecodedBatch,
@@ -17,6 +18,7 @@ from quillcache_conductor.kv_wire import (
     EngineBlockRemoved,
     EngineBlockStored,
     WireError,
+    _typed_bulk,
     decode_batch,
     decode_bulk,
     engine_hash,
@@ -613,3 +615,108 @@ def test_bulk_matches_the_reference_on_uniform_stored_batches(payload):
 @given(st.lists(_ARRAY_EVENTS | _MAP_EVENTS, max_size=6))
 def test_bulk_matches_the_reference_on_mixed_events(events):
     _assert_bulk_matches(msgpack.packb([0.5, events], use_bin_type=True))
+
+
+# --- the typed decoders (kv_schema): the first try for a batch of BlockStored only ----
+
+
+@st.composite
+def _stored_batches_any_form(draw: st.DrawFn) -> bytes:
+    """BlockStored-only batches in every batch and event form, mostly valid, so most
+    take the typed decoders and the rest show they fall back to the same result."""
+    map_events = draw(st.booleans())
+    map_batch = draw(st.booleans())
+    events: list[Any] = []
+    parent: Any = draw(st.none() | st.integers(0, 5))
+    for _ in range(draw(st.integers(1, 5))):
+        blocks = draw(st.sampled_from([1, 1, 2, 0]))
+        size = draw(st.sampled_from([BS, BS, 2, 0]))
+        hashes = draw(
+            st.lists(st.integers(-(2**63), 2**64 - 1), min_size=blocks, max_size=blocks)
+            | st.lists(st.binary(min_size=1, max_size=65), min_size=blocks, max_size=blocks)
+        )
+        count = blocks * size + draw(st.sampled_from([0, 0, 0, 1]))
+        tokens = draw(
+            st.lists(st.integers(0, 2**32 - 1), min_size=count, max_size=count)
+            | st.lists(st.sampled_from([0, 1, 7, True, -1, 2**32]), min_size=count, max_size=count)
+        )
+        fields = {
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": size,
+            "lora_id": draw(st.none() | st.integers(0, 3) | st.text(max_size=2)),
+            "medium": draw(_column_value("medium")),
+            "lora_name": draw(_column_value("lora")),
+            "extra_keys": draw(_column_value("extra")),
+            "group_idx": draw(_column_value("group")),
+        }
+        if hashes and draw(st.integers(0, 3)):  # mostly one chain
+            parent = hashes[-1]
+        if map_events:
+            event: Any = {"type": "BlockStored"}
+            event.update((k, v) for k, v in fields.items() if v is not None or draw(st.booleans()))
+            salt = draw(st.sampled_from([None, None, "acme", "", 5]))
+            if salt is not None:
+                event["cache_salt"] = salt
+        else:
+            event = ["BlockStored", *fields.values()][: draw(st.integers(5, 10))]
+        events.append(event)
+    ts = draw(st.sampled_from([1.5, 3, None, True, "x"]))
+    rank = draw(st.sampled_from([None, 0, 2, "r"]))
+    if map_batch:
+        key = draw(st.sampled_from(["data_parallel_rank", "attn_dp_rank"]))
+        return msgpack.packb({"ts": ts, "events": events, key: rank}, use_bin_type=True)
+    return msgpack.packb([ts, events, rank], use_bin_type=True)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_stored_batches_any_form())
+def test_bulk_matches_the_reference_on_stored_batches_of_every_form(payload):
+    _assert_bulk_matches(payload)
+
+
+@pytest.mark.parametrize("batch_encoding", ENCODINGS)
+@pytest.mark.parametrize("event_encoding", ENCODINGS)
+def test_valid_stored_batches_take_the_typed_decoders(event_encoding, batch_encoding):
+    """The fast path is live for every form a publisher sends: vLLM's array and map
+    forms, SGLang's cache_salt and attn_dp_rank."""
+    enc = VllmEventEncoder(encoding=event_encoding, block_size=BS, seed=b"t" * 16)
+    tokens = list(range(500, 500 + 6 * BS))
+    events = [enc.stored_event(tokens[: (n + 1) * BS], salt="acme") for n in range(6)]
+    payload = encode_batch(events, batch_encoding, ts=2.0, dp_rank=1)
+    decoded = stored_columns(payload)
+    assert decoded is not None
+    ts, rank, columns, map_form = decoded
+    assert (ts, rank, map_form) == (2.0, 1, event_encoding == "map")
+    bulk = _assert_bulk_matches(payload)
+    assert bulk.run is not None and bulk.run.events == 6 and bulk.run.cache_salt == "acme"
+    sglang = {"ts": 1.0, "attn_dp_rank": 4, "events": [
+        {"type": "BlockStored", "block_hashes": [9], "token_ids": list(range(BS)),
+         "block_size": BS, "medium": "CPU_PINNED", "cache_salt": "globex", "session_id": "s"}
+    ]}  # fmt: skip
+    assert stored_columns(_pack(sglang)) is not None
+    bulk = _assert_bulk_matches(_pack(sglang))
+    assert (bulk.dp_rank, bulk.run.cache_salt) == (4, "globex")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("token_ids", [True] * BS),  # a bool is no token id
+        ("token_ids", [2**32] * BS),
+        ("block_size", 0),
+        ("block_hashes", [1.5]),
+        ("medium", 7),
+        ("lora_name", ""),  # "" means absent: the general decoder's rule
+        ("group_idx", True),
+    ],
+)
+def test_a_value_the_typed_decoders_refuse_goes_the_general_way(change):
+    name, value = change
+    events = _chain_events()
+    events[2] += [None] * (1 + len(STORED_FIELDS) - len(events[2]))
+    events[2][1 + STORED_FIELDS.index(name)] = value
+    payload = _pack([0.5, events])
+    assert _typed_bulk(payload) is None
+    _assert_bulk_matches(payload)
