@@ -43,6 +43,12 @@ class ConductorConfig:
         "a Plan reply lists the costs of up to this many next-best engines "
         "(a request's max_others may ask for fewer)",
     )
+    departed_sweep_s: float = opt(
+        10.0,
+        "this long after start, drop the residency a reopened lmdb index holds for nodes "
+        "the registry no longer lists (they left while the conductor was down); "
+        "0 = keep it",
+    )
     kv_events: bool = opt(
         True, "subscribe to engines' ZMQ KV event publishers found in the registry"
     )
@@ -56,6 +62,8 @@ class ConductorConfig:
             raise InvalidArgument("--reservation-ttl-s must be positive")
         if self.lease_ttl_s <= 0:
             raise InvalidArgument("--lease-ttl-s must be positive")
+        if self.departed_sweep_s < 0:
+            raise InvalidArgument("--departed-sweep-s must be >= 0")
         if self.temperature < 0:
             raise InvalidArgument("--temperature must be >= 0")
         if self.block_bytes <= 0 or self.max_blocks_per_request <= 0:

@@ -94,6 +94,11 @@ class ConductorServer:
             read=lambda: [((), state.counters.reservations_expired)],
         )
         m.gauge(
+            "departed_records_dropped_total",
+            "residency records dropped at start for nodes no longer registered",
+            read=lambda: [((), state.counters.departed_records_dropped)],
+        )
+        m.gauge(
             "guard_refusals_total",
             "content matches of another identity refused",
             read=lambda: [((), state.counters.guard_refusals)],
@@ -165,6 +170,13 @@ class ConductorServer:
         self._runner, self.metrics_port = await start_metrics_app(
             self.metrics, cfg.host, cfg.metrics_port
         )
+        # Workers the reopened index holds, before any event: those the registry no
+        # longer lists left while this conductor was down.
+        reopened = self.index.workers()
+        if reopened and cfg.departed_sweep_s > 0:
+            self._tasks.append(
+                asyncio.create_task(self._sweep_departed(reopened), name="departed-sweep")
+            )
         self._tasks.append(asyncio.create_task(self._watch_registry(), name="registry-watch"))
         self._tasks.append(asyncio.create_task(self._tick(), name="reservation-tick"))
         await self.registry.register(
@@ -198,6 +210,19 @@ class ConductorServer:
             except Exception:
                 logger.exception("registry watch failed; restarting it")
                 await asyncio.sleep(0.5)
+
+    async def _sweep_departed(self, workers: list[str]) -> None:
+        """Once, --departed-sweep-s after start (time for restarting nodes to register
+        again): drop the residency of `workers` the registry does not list."""
+        await asyncio.sleep(self.config.departed_sweep_s)
+        while True:
+            try:
+                listed = await self.registry.list()
+                break
+            except Exception as exc:  # the registry is down: never sweep blind
+                logger.warning("departed-node sweep waits for the registry: %s", exc)
+                await asyncio.sleep(self.config.departed_sweep_s)
+        self.state.drop_departed(workers, (record.id for record in listed))
 
     def _apply_node_event(self, event) -> None:
         record = event.record

@@ -10,7 +10,7 @@ import heapq
 import logging
 import random
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
@@ -61,6 +61,7 @@ class Counters:
     guard_refusals: int = 0
     observed_blocks: int = 0
     store_events: int = 0
+    departed_records_dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,23 @@ class ConductorState:
         for res_id in [r.id for r in self.reservations.values() if r.engine_id == engine_id]:
             self._forget_optimistic(self.reservations.pop(res_id))
         logger.info("engine %s left; dropped %d residency records", engine_id, dropped)
+        return dropped
+
+    def drop_departed(self, candidates: Iterable[str], registered: Iterable[str]) -> dict[str, int]:
+        """Drop the residency of every candidate worker that is not registered (nor
+        known here as an engine or store): nodes that left while a reopened index was
+        not watching. Returns records dropped per worker."""
+        live = {*registered, *self.engines, *self.stores}
+        dropped: dict[str, int] = {}
+        for worker in candidates:
+            if worker not in live:
+                dropped[worker] = self.index.clear_worker(worker)
+                self.counters.departed_records_dropped += dropped[worker]
+                logger.info(
+                    "%s is no longer registered; dropped its %d residency records",
+                    worker,
+                    dropped[worker],
+                )
         return dropped
 
     def store_joined(self, record: NodeRecord) -> None:

@@ -411,3 +411,54 @@ def test_restarted_conductor_with_lmdb_keeps_its_residency(etcd_server, conducto
     assert reply.engine_id == "e1"
     assert reply.hit_blocks == 12
     assert client.Stats(conductor_pb2.StatsRequest()).index_backend == "lmdb"
+
+
+def test_a_node_that_left_while_the_conductor_was_down_loses_its_residency(
+    etcd_server, conductor, tmp_path
+):
+    """An lmdb index reopened after downtime still names nodes that left meanwhile;
+    once --departed-sweep-s has passed, their records go and the others stay."""
+    args = ("--index-backend", "lmdb", "--index-path", str(tmp_path / "index"))
+    proc = conductor(*args)
+    client = stub(proc)
+    put_engine(etcd_server, "e-stays")
+    lease = etcdctl(etcd_server, "lease", "grant", "60").split()[1]
+    put_engine(etcd_server, "e-leaves", lease=lease)
+    wait_until(lambda: engine_ids(client) == {"e-stays", "e-leaves"}, what="engines")
+    tokens = {
+        "e-stays": list(range(7000, 7000 + 6 * 16)),
+        "e-leaves": list(range(9000, 9000 + 6 * 16)),
+    }
+    for engine, engine_tokens in tokens.items():
+        client.Observe(
+            conductor_pb2.ObserveRequest(
+                engine_id=engine, identity=identity(), blocks=gateway_blocks(engine_tokens)
+            ),
+            timeout=5,
+        )
+    proc.stop()
+    etcdctl(etcd_server, "lease", "revoke", lease)  # e-leaves is gone while nobody watches
+
+    def holders(engine_tokens) -> list[set[str]]:
+        hashes = [b.block_hash for b in gateway_blocks(engine_tokens)]
+        reply = client.Locate(
+            conductor_pb2.LocateRequest(identity=identity(), block_hashes=hashes), timeout=5
+        )
+        return [{loc.node_id for loc in block.locations} for block in reply.blocks]
+
+    proc = conductor(*args, "--departed-sweep-s", "3", name="conductor-restarted")
+    client = stub(proc)
+    # Reopened as it was: both engines' records, though one engine is gone (Locate and
+    # Plan name registered nodes only, so the record count shows it).
+    assert proc.metric("quillcache_index_resident_records") == 12
+    wait_until(
+        lambda: proc.metric("quillcache_departed_records_dropped_total") == 6,
+        timeout_s=10,
+        what="the sweep",
+    )
+    assert proc.metric("quillcache_index_resident_records") == 6
+    assert holders(tokens["e-leaves"]) == [set()] * 6
+    assert holders(tokens["e-stays"]) == [{"e-stays"}] * 6
+    assert engine_ids(client) == {"e-stays"}
+    reply = plan(client, tokens["e-stays"])
+    assert (reply.engine_id, reply.hit_blocks) == ("e-stays", 6)

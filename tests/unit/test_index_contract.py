@@ -218,10 +218,12 @@ def test_clear_worker_returns_count_and_leaves_other_workers(index: IndexBackend
             rec(key("c", parent="p"), "w1", CacheTier.HBM, 16),
         ]
     )
+    assert index.workers() == ["w0", "w1"]
     assert index.clear_worker("w0") == 3
     assert index.clear_worker("w0") == 0
     assert index.worker_block_count("w0") == 0
     assert index.worker_block_count("w1") == 2
+    assert index.workers() == ["w1"]
     assert {r.worker_id for r in index.snapshot()} == {"w1"}
     assert index.locate_hash("b") == []
     assert {r.key.block_hash for r in index.prefix_scan(parent_scope, "p")} == {"a", "c"}
@@ -703,3 +705,11 @@ def test_backend_matches_simple_model(backend: str) -> None:
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
+
+def test_workers_are_those_holding_a_record(index: IndexBackend) -> None:
+    assert index.workers() == []
+    index.put_many([rec(key("a"), "w1", CacheTier.HBM, 1), rec(key("b"), "w0", CacheTier.HBM, 1)])
+    assert index.workers() == ["w0", "w1"]
+    assert index.remove_tier("w1", "a", CacheTier.HBM) == 1
+    assert index.workers() == ["w0"]

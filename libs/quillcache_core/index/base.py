@@ -112,6 +112,10 @@ class IndexBackend(abc.ABC):
         """Records held by one worker (SGLang's tree size, /metrics)."""
 
     @abc.abstractmethod
+    def workers(self) -> list[str]:
+        """Every worker holding at least one record, sorted."""
+
+    @abc.abstractmethod
     def metrics(self) -> IndexMetrics: ...
 
     def flush(self) -> None:  # noqa: B027 - optional hook, not abstract

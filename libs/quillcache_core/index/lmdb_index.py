@@ -387,6 +387,12 @@ class LmdbIndex(IndexBackend):
             cursor = txn.cursor(db=self._worker)
             return cursor.count() if cursor.set_key(self._pack(worker_id)) else 0
 
+    def workers(self) -> list[str]:
+        """One step per worker (its duplicates are skipped), in key order."""
+        with self._read() as txn:
+            cursor = txn.cursor(db=self._worker)
+            return sorted(_unpackb(key) for key in cursor.iternext_nodup(keys=True, values=False))
+
     def metrics(self) -> IndexMetrics:
         """Stored totals (resident_*) plus this process's counters."""
         with self._read() as txn:

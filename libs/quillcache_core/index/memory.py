@@ -497,6 +497,9 @@ class MemoryIndex(IndexBackend):
         """Records (block copies, counting each tier) held by `worker_id`."""
         return self._held.get(worker_id, 0)
 
+    def workers(self) -> list[str]:
+        return sorted(worker for worker, held in self._held.items() if held)
+
     def metrics(self) -> IndexMetrics:
         """A fresh copy of the counters; nothing is written, so bytes_written is 0."""
         return IndexMetrics(

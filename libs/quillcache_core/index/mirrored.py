@@ -131,6 +131,9 @@ class MirroredIndex(IndexBackend):
     def worker_block_count(self, worker_id: str) -> int:
         return self._memory.worker_block_count(worker_id)
 
+    def workers(self) -> list[str]:
+        return self._memory.workers()
+
     def metrics(self) -> IndexMetrics:
         return self._memory.metrics()
 
