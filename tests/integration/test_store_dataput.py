@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import urllib.request
 
 import pytest
 
@@ -38,14 +37,6 @@ def lone_store(tmp_path):
         )
     finally:
         f.stop()
-
-
-def metric(proc, name: str) -> float:
-    with urllib.request.urlopen(proc.metrics_url + "/metrics", timeout=5) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-    raise AssertionError(f"{name} not exported by {proc.name}")
 
 
 def _data_address(proc) -> str:
@@ -99,9 +90,9 @@ def test_data_port_puts_land_byte_identical_in_the_tier_asked_for(lone_store):
     assert back == payloads
     assert again is CacheTier.CPU_DRAM
     assert stats["ssd_blocks"] == 5  # the durable ones and the SSD one
-    assert metric(lone_store, "quillcache_store_data_put_blocks_total") == 7
-    assert metric(lone_store, "quillcache_store_data_put_bytes_total") == 7 * len(payloads[0])
-    assert metric(lone_store, "quillcache_store_data_puts_refused_total") == 1
+    assert lone_store.metric("quillcache_store_data_put_blocks_total") == 7
+    assert lone_store.metric("quillcache_store_data_put_bytes_total") == 7 * len(payloads[0])
+    assert lone_store.metric("quillcache_store_data_puts_refused_total") == 1
 
 
 def test_acknowledged_data_port_durable_puts_survive_sigkill(lone_store):
@@ -169,8 +160,8 @@ def test_bad_bytes_are_refused_and_a_malformed_put_closes_the_connection(lone_st
             return (await client.get(k_good))[0]
 
     assert run(read()) == good
-    assert metric(lone_store, "quillcache_store_data_puts_refused_total") == 2
-    assert metric(lone_store, "quillcache_store_data_put_blocks_total") == 1
+    assert lone_store.metric("quillcache_store_data_puts_refused_total") == 2
+    assert lone_store.metric("quillcache_store_data_put_blocks_total") == 1
 
 
 def test_a_changed_payload_is_refused_through_the_client(lone_store):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import urllib.request
 
 import grpc
 import pytest
@@ -21,14 +20,6 @@ from quillcache_store.dataserver import recv_exactly
 from tests.support.stores import SHAPES, block_key, kv_payload, run
 
 pytestmark = pytest.mark.integration
-
-
-def metric(proc, name: str) -> float:
-    with urllib.request.urlopen(proc.metrics_url + "/metrics", timeout=5) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[-1])
-    raise AssertionError(f"{name} not exported by {proc.name}")
 
 
 async def _pull(address: str, source: str, keys):
@@ -76,9 +67,9 @@ def test_copy_moves_real_bytes_store_to_store_and_verifies_them(fleet):
     assert tiers == [CacheTier.CPU_DRAM] * len(keys)
     assert [data[k.block_hash] for k in keys] == payloads  # byte-identical
     # The bytes went A -> B over the data port (not through the transfer service).
-    assert metric(a, "quillcache_store_data_sent_bytes_total") == total
-    assert metric(b, "quillcache_store_data_pulled_bytes_total") == total
-    assert metric(b, "quillcache_store_data_pull_failures_total") == 0
+    assert a.metric("quillcache_store_data_sent_bytes_total") == total
+    assert b.metric("quillcache_store_data_pulled_bytes_total") == total
+    assert b.metric("quillcache_store_data_pull_failures_total") == 0
 
 
 def test_pull_batches_results_when_asked_and_old_clients_get_one_per_message(fleet):
@@ -222,4 +213,4 @@ def test_a_pull_stores_only_whole_verified_blocks(fleet):
     assert data[keys[0].block_hash] == payloads[0]
     assert data[keys[3].block_hash] == older  # never half-replaced
     assert stats["dram_blocks"] == 2
-    assert metric(b, "quillcache_store_data_pull_failures_total") == 4
+    assert b.metric("quillcache_store_data_pull_failures_total") == 4
