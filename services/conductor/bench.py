@@ -543,7 +543,7 @@ def _plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 4.2))
     names = {
         "health": "health_check",
         "Plan unary": "plan_unary",
@@ -555,16 +555,34 @@ def _plot(results, path):
     left.axhline(3000, color="red", linestyle="--", label="p99 goal")
     left.set_ylabel("latency (us)")
     left.legend()
-    left.tick_params(axis="x", rotation=20)
+    left.tick_params(axis="x", rotation=25)
+    health_rate = 1e6 / results["health_check"]["mean_us"]
+    plans = {
+        "health Check\n(one client)": health_rate,
+        "unary": results["plans_per_s_unary"],
+        "PlanStream": results["plans_per_s"],
+        "plan port": results["plans_per_s_port"],
+    }
+    middle.bar(list(plans), list(plans.values()), color="tab:green")
+    middle.axhline(2000, color="red", linestyle="--", label="goal")
+    middle.set_ylabel("plans/s (32 clients)")
+    middle.legend()
+    inproc = results["events_in_process"]
     rates = {
-        "msgpack only": results["events_in_process"]["msgpack_only_per_s"],
-        "in-process": results["events_in_process"]["block_events_per_s"],
+        "msgpack only": inproc["msgpack_only_per_s"],
+        "in-process": inproc["block_events_per_s"],
         "over ZMQ": results["events_zmq"]["block_events_per_s"],
     }
-    right.bar(list(rates), list(rates.values()))
+    right.bar(list(rates), list(rates.values()), color="tab:purple")
+    passes = inproc.get("block_events_per_s_passes")
+    if passes:
+        right.plot(["in-process"] * len(passes), passes, "k_", markersize=18, label="passes")
+    right.plot(["in-process"], [500_000], "r*", markersize=12, label="goals")
+    right.plot(["over ZMQ"], [200_000], "r*", markersize=12)
     right.set_ylabel("block events/s")
     right.set_yscale("log")
-    fig.suptitle("Conductor: Plan latency and KV-event ingest")
+    right.legend()
+    fig.suptitle("Conductor: Plan latency and throughput, KV-event ingest")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
