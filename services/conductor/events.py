@@ -116,6 +116,12 @@ class EventRouter:
         self._endpoints[record.id] = endpoints
         logger.info("subscribed to %s KV events at %s (replay %s)", record.id, *endpoints)
 
+    def engine_restarted(self, engine_id: str) -> None:
+        """The engine's hashes from before are gone with its cache: forget them."""
+        translator = self.translators.get(engine_id)
+        if translator is not None:
+            translator.reset()
+
     def engine_left(self, engine_id: str) -> None:
         self.translators.pop(engine_id, None)
         self._endpoints.pop(engine_id, None)

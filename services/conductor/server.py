@@ -99,6 +99,11 @@ class ConductorServer:
             read=lambda: [((), state.counters.departed_records_dropped)],
         )
         m.gauge(
+            "restart_records_dropped_total",
+            "residency records dropped because their engine registered a new run",
+            read=lambda: [((), state.counters.restart_records_dropped)],
+        )
+        m.gauge(
             "guard_refusals_total",
             "content matches of another identity refused",
             read=lambda: [((), state.counters.guard_refusals)],
@@ -231,7 +236,8 @@ class ConductorServer:
                 self.state.engine_left(record.id)
                 self.events.engine_left(record.id)
             else:
-                self.state.engine_joined(record)
+                if self.state.engine_joined(record):
+                    self.events.engine_restarted(record.id)
                 self.events.engine_joined(record)
         elif record.kind == "store":
             if event.type == "leave":

@@ -62,6 +62,7 @@ class Counters:
     observed_blocks: int = 0
     store_events: int = 0
     departed_records_dropped: int = 0
+    restart_records_dropped: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +114,18 @@ class ConductorState:
         self._prefill_due: list[tuple[float, str]] = []
         self._expiry: list[tuple[float, str]] = []
         self.counters = Counters()
+        # Engine id -> the registry start time its records were written under.
+        self._epochs: dict[str, float] = index.worker_epochs()
 
     # --- fleet -------------------------------------------------------------------
 
-    def engine_joined(self, record: NodeRecord) -> None:
+    def engine_joined(self, record: NodeRecord) -> bool:
+        """Add or update an engine. Returns True if its record names a new run of it
+        (another `start_time_s` than the one its records were written under, even
+        before this conductor's restart): the engine restarted with an empty cache, so
+        its residency and its reservations' optimistic copies are dropped."""
         self._fleets.clear()
+        restarted = self._new_run(record)
         info = self.engines.get(record.id)
         if info is None:
             state = WorkerState(id=record.id, locality_domain=record.locality_domain)
@@ -132,6 +140,34 @@ class ConductorState:
         info.state.base_url = record.base_url or ""
         if record.capacity_bytes:
             info.state.hbm_capacity_bytes = record.capacity_bytes
+        if restarted:
+            info.state.resident_blocks = 0
+        return restarted
+
+    def _new_run(self, record: NodeRecord) -> bool:
+        epoch = record.start_time_s
+        if not epoch:  # a record written by hand (a real vLLM's) may carry none
+            return False
+        known = self._epochs.get(record.id)
+        if known == epoch:
+            return False
+        self._epochs[record.id] = epoch
+        self.index.set_worker_epoch(record.id, epoch)
+        if known is None:
+            return False
+        dropped = self.index.clear_worker(record.id)
+        for res in self.reservations.values():
+            if res.engine_id == record.id:
+                self._forget_optimistic(res)
+        self.counters.restart_records_dropped += dropped
+        logger.info(
+            "engine %s restarted (start time %.3f, was %.3f): dropped its %d residency records",
+            record.id,
+            epoch,
+            known,
+            dropped,
+        )
+        return True
 
     def engine_left(self, engine_id: str) -> int:
         """Forget an engine: its residency is dropped and no plan names it again."""

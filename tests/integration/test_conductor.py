@@ -456,3 +456,54 @@ def test_a_node_that_left_while_the_conductor_was_down_loses_its_residency(
     assert engine_ids(client) == {"e-stays"}
     reply = plan(client, tokens["e-stays"])
     assert (reply.engine_id, reply.hit_blocks) == ("e-stays", 6)
+
+
+def test_an_engine_that_restarted_loses_its_residency_live_and_across_downtime(
+    etcd_server, conductor, tmp_path
+):
+    """An engine record with another start_time_s is a new run with an empty cache:
+    seen live, or found by a conductor that reopens its lmdb index after downtime."""
+    args = ("--index-backend", "lmdb", "--index-path", str(tmp_path / "index"))
+    proc = conductor(*args)
+    client = stub(proc)
+    put_engine(etcd_server, "e0", start_time_s=100.0)
+    put_engine(etcd_server, "e1", start_time_s=100.0)
+    wait_until(lambda: engine_ids(client) == {"e0", "e1"}, what="engines")
+    tokens = {"e0": list(range(3000, 3000 + 5 * 16)), "e1": list(range(4000, 4000 + 5 * 16))}
+
+    def observe(engine: str) -> None:
+        client.Observe(
+            conductor_pb2.ObserveRequest(
+                engine_id=engine, identity=identity(), blocks=gateway_blocks(tokens[engine])
+            ),
+            timeout=5,
+        )
+
+    def holders(engine: str) -> list[set[str]]:
+        hashes = [b.block_hash for b in gateway_blocks(tokens[engine])]
+        reply = client.Locate(
+            conductor_pb2.LocateRequest(identity=identity(), block_hashes=hashes), timeout=5
+        )
+        return [{loc.node_id for loc in block.locations} for block in reply.blocks]
+
+    observe("e0")
+    observe("e1")
+    assert (holders("e0"), holders("e1")) == ([{"e0"}] * 5, [{"e1"}] * 5)
+    # Live: e0 restarts and registers its new run.
+    put_engine(etcd_server, "e0", start_time_s=200.0)
+    wait_until(
+        lambda: proc.metric("quillcache_restart_records_dropped_total") == 5, what="e0 dropped"
+    )
+    assert (holders("e0"), holders("e1")) == ([set()] * 5, [{"e1"}] * 5)
+    observe("e0")  # e0's new run caches its prompt again
+    proc.stop()
+
+    # Across downtime: e1 restarts while no conductor runs; e0 does not.
+    put_engine(etcd_server, "e1", start_time_s=300.0)
+    proc = conductor(*args, name="conductor-restarted")
+    client = stub(proc)
+    wait_until(
+        lambda: proc.metric("quillcache_restart_records_dropped_total") == 5, what="e1 dropped"
+    )
+    assert (holders("e0"), holders("e1")) == ([{"e0"}] * 5, [set()] * 5)
+    assert proc.metric("quillcache_index_resident_records") == 5

@@ -713,3 +713,26 @@ def test_workers_are_those_holding_a_record(index: IndexBackend) -> None:
     assert index.workers() == ["w0", "w1"]
     assert index.remove_tier("w1", "a", CacheTier.HBM) == 1
     assert index.workers() == ["w0"]
+
+
+def test_worker_epochs_are_kept_apart_from_records(index: IndexBackend) -> None:
+    assert index.worker_epochs() == {}
+    index.set_worker_epoch("e0", 1700000000.25)
+    index.set_worker_epoch("e1", 5.0)
+    index.set_worker_epoch("e1", 6.5)  # a later run replaces the earlier
+    index.put_many([rec(key("a"), "e0", CacheTier.HBM, 1)])
+    index.clear_worker("e0")
+    index.clear()
+    assert index.worker_epochs() == {"e0": 1700000000.25, "e1": 6.5}
+    assert index.workers() == []
+
+
+def test_lmdb_keeps_worker_epochs_across_reopen(tmp_path: Path) -> None:
+    idx = LmdbIndex(tmp_path / "idx")
+    idx.set_worker_epoch("engine-a", 123.5)
+    idx.close()
+    reopened = LmdbIndex(tmp_path / "idx")
+    try:
+        assert reopened.worker_epochs() == {"engine-a": 123.5}
+    finally:
+        reopened.close()

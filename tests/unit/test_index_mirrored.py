@@ -140,3 +140,16 @@ def test_writes_wait_for_flush_and_a_drain_in_another_thread_keeps_order(tmp_pat
     assert reopened.worker_block_count("e0") == 0
     assert reopened.worker_block_count("e1") == len(KEYS) - 6
     reopened.close()
+
+
+def test_worker_epochs_reach_lmdb_at_flush_and_come_back_on_reopen(tmp_path):
+    mirrored = MirroredIndex(LmdbIndex(tmp_path / "idx"))
+    mirrored.set_worker_epoch("e0", 42.0)
+    assert mirrored.worker_epochs() == {"e0": 42.0}  # at once, from memory
+    assert mirrored.pending_writes == 1
+    mirrored.close()  # flushes
+    reopened = MirroredIndex(LmdbIndex(tmp_path / "idx"))
+    try:
+        assert reopened.worker_epochs() == {"e0": 42.0}
+    finally:
+        reopened.close()

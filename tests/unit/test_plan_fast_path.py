@@ -171,3 +171,47 @@ def test_locate_prefix_stops_at_the_first_block_held_nowhere(backend, tmp_path):
     assert [sorted(r.worker_id for r in f) for f in found] == [["e0"], ["e0", "s0"], ["e0"], ["e2"]]
     assert index.locate_prefix([]) == []
     index.close()
+
+
+def _engine_record(eid: str, start_time_s: float) -> NodeRecord:
+    return NodeRecord(
+        kind="engine",
+        id=eid,
+        address="",
+        locality_domain="rack-a",
+        base_url=f"http://{eid}",
+        model=MODEL,
+        tokenizer=TOKENIZER,
+        start_time_s=start_time_s,
+    )
+
+
+def test_an_engine_registering_a_new_run_loses_its_residency_and_overlay():
+    state = ConductorState(
+        MemoryIndex(), CostPlanner(CostModel()), clock=lambda: 0.0, rng=random.Random(3)
+    )
+    assert state.engine_joined(_engine_record("e0", 100.0)) is False  # first seen
+    assert state.engine_joined(_engine_record("e1", 100.0)) is False
+    request = make_request(6)
+    done = state.plan(request)
+    state.finish(done.reservation_id, "success")
+    hot = done.decision.engine.id
+    other = "e1" if hot == "e0" else "e0"
+    for n in range(4):  # open plans: their optimistic copies sit in the overlay
+        state.plan(make_request(4, tenant=f"t{n}"))
+
+    def overlay_on(engine_id: str) -> int:
+        return sum(r.worker_id == engine_id for found in state.optimistic.values() for r in found)
+
+    assert overlay_on(hot) > 0
+    kept = overlay_on(other)
+    assert state.engine_joined(_engine_record(hot, 100.0)) is False  # the same run again
+    assert state.index.worker_block_count(hot) == 6
+    assert state.engine_joined(_engine_record(hot, 250.0)) is True  # restarted
+    assert state.index.worker_block_count(hot) == 0
+    assert (overlay_on(hot), overlay_on(other)) == (0, kept)
+    assert state.counters.restart_records_dropped == 6
+    assert state.index.worker_epochs() == {hot: 250.0, other: 100.0}
+    # A record without a start time (written by hand for a real vLLM) changes nothing.
+    assert state.engine_joined(_engine_record(other, 0.0)) is False
+    assert state.index.worker_epochs()[other] == 100.0

@@ -116,6 +116,16 @@ class IndexBackend(abc.ABC):
         """Every worker holding at least one record, sorted."""
 
     @abc.abstractmethod
+    def worker_epochs(self) -> dict[str, float]:
+        """Each worker's epoch as last set by set_worker_epoch (a copy)."""
+
+    @abc.abstractmethod
+    def set_worker_epoch(self, worker_id: str, epoch: float) -> None:
+        """Remember which run of `worker_id` its records belong to (the conductor uses
+        the node's registry start time). Not a record: clear() and clear_worker() keep
+        it; a persistent backend keeps it across reopens."""
+
+    @abc.abstractmethod
     def metrics(self) -> IndexMetrics: ...
 
     def flush(self) -> None:  # noqa: B027 - optional hook, not abstract

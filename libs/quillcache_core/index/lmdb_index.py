@@ -41,6 +41,7 @@ _FORMAT = b"quillcache-index/1"
 _META_FORMAT = b"format"
 _META_BYTES = b"resident_bytes"
 _I64 = struct.Struct("<q")
+_F64 = struct.Struct("<d")
 _REC_HEADER = b"\x9a"  # msgpack fixarray, 10 elements
 _TIERS = {tier.value: tier for tier in CacheTier}
 _unpackb = msgpack.unpackb
@@ -79,7 +80,7 @@ class LmdbIndex(IndexBackend):
             self._path,
             map_size=map_size_bytes,
             subdir=True,
-            max_dbs=4,
+            max_dbs=5,
             writemap=False,
             readahead=True,
             sync=sync_commits,
@@ -91,6 +92,7 @@ class LmdbIndex(IndexBackend):
             self._prefix = self._env.open_db(b"prefix", dupsort=True)
             self._worker = self._env.open_db(b"worker", dupsort=True)
             self._meta = self._env.open_db(b"meta")
+            self._epoch = self._env.open_db(b"epoch")  # packed worker_id -> f64
             with self._env.begin(write=True) as txn:
                 found = txn.get(_META_FORMAT, db=self._meta)
                 if found is None:
@@ -386,6 +388,18 @@ class LmdbIndex(IndexBackend):
         with self._read() as txn:
             cursor = txn.cursor(db=self._worker)
             return cursor.count() if cursor.set_key(self._pack(worker_id)) else 0
+
+    def worker_epochs(self) -> dict[str, float]:
+        with self._read() as txn:
+            return {
+                _unpackb(key): _F64.unpack(value)[0] for key, value in txn.cursor(db=self._epoch)
+            }
+
+    def set_worker_epoch(self, worker_id: str, epoch: float) -> None:
+        key = self._pack(worker_id)
+        with self._write() as txn:
+            txn.put(key, _F64.pack(epoch), db=self._epoch)
+        self._bytes_written += len(key) + _F64.size
 
     def workers(self) -> list[str]:
         """One step per worker (its duplicates are skipped), in key order."""

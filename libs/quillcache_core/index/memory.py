@@ -82,6 +82,7 @@ class MemoryIndex(IndexBackend):
         self._by_worker: dict[str, dict[int, CacheResidency | dict]] = {}
         # worker -> records it holds (a pending chain counts its blocks).
         self._held: dict[str, int] = {}
+        self._epochs: dict[str, float] = {}
         self._count = 0
         self._bytes = 0
         self._puts = 0
@@ -499,6 +500,12 @@ class MemoryIndex(IndexBackend):
 
     def workers(self) -> list[str]:
         return sorted(worker for worker, held in self._held.items() if held)
+
+    def worker_epochs(self) -> dict[str, float]:
+        return dict(self._epochs)
+
+    def set_worker_epoch(self, worker_id: str, epoch: float) -> None:
+        self._epochs[worker_id] = float(epoch)
 
     def metrics(self) -> IndexMetrics:
         """A fresh copy of the counters; nothing is written, so bytes_written is 0."""

@@ -34,6 +34,8 @@ class MirroredIndex(IndexBackend):
         self._durable = durable
         self._memory = MemoryIndex()
         self._memory.put_many(durable.snapshot())
+        for worker_id, epoch in durable.worker_epochs().items():
+            self._memory.set_worker_epoch(worker_id, epoch)
         # Writes not yet applied to `durable`, in order: (method name, args).
         self._pending: list[tuple[str, tuple]] = []
         self._pending_lock = threading.Lock()
@@ -133,6 +135,13 @@ class MirroredIndex(IndexBackend):
 
     def workers(self) -> list[str]:
         return self._memory.workers()
+
+    def worker_epochs(self) -> dict[str, float]:
+        return self._memory.worker_epochs()
+
+    def set_worker_epoch(self, worker_id: str, epoch: float) -> None:
+        self._memory.set_worker_epoch(worker_id, epoch)
+        self._queue("set_worker_epoch", worker_id, epoch)
 
     def metrics(self) -> IndexMetrics:
         return self._memory.metrics()
