@@ -39,23 +39,11 @@ _Hash = int | bytes  # a msgpack int is always within i64 or u64
 _Event = TypeVar("_Event")
 
 
-class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    # The order of vllm_events.STORED_FIELDS: the columns' order (see stored_columns).
-    block_hashes: list[_Hash]
-    parent_block_hash: _Hash | None
-    token_ids: list[_TokenId]
-    block_size: _BlockSize
-    lora_id: Any = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
+class _Stored(msgspec.Struct, kw_only=True, gc=False):
+    """BlockStored's fields in the order of vllm_events.STORED_FIELDS, the columns'
+    order (see stored_columns). In the array form the first four are required, so
+    parent_block_hash's default never applies there."""
 
-
-class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, gc=False):
-    # Read by name; declared in the array form's order so the columns line up.
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None = None
     token_ids: list[_TokenId]
@@ -65,7 +53,16 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=Tr
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
-    cache_salt: str | None = None  # SGLang's field, where the array form has none
+
+
+class _StoredArray(_Stored, tag="BlockStored", array_like=True, kw_only=True):
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+    # Elements a newer engine appends after these are ignored.
+
+
+class _StoredMap(_Stored, tag="BlockStored", tag_field="type", kw_only=True):
+    cache_salt: str | None = None  # SGLang's field; the array form has none
 
 
 class _ArrayBatch(msgspec.Struct, Generic[_Event], array_like=True, gc=False):
@@ -99,17 +96,8 @@ def _form(first: int) -> str | None:
 
 
 # The columns of stored_columns: every event's value of one field.
-HASHES, PARENT, TOKENS, SIZE, MEDIUM, LORA_NAME, EXTRA_KEYS, GROUP, CACHE_SALT = (
-    0,
-    1,
-    2,
-    3,
-    5,
-    6,
-    7,
-    8,
-    9,
-)
+HASHES, PARENT, TOKENS, SIZE = range(4)
+MEDIUM, LORA_NAME, EXTRA_KEYS, GROUP, CACHE_SALT = range(5, 10)
 
 
 def stored_columns(

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quillcache_conductor.kv_schema import stored_columns
+from quillcache_conductor.kv_schema import _StoredArray, stored_columns
 from quillcache_conductor.kv_wire import (
     BulkBatch,
     DecodedBatch,
@@ -720,3 +720,7 @@ def test_a_value_the_typed_decoders_refuse_goes_the_general_way(change):
     payload = _pack([0.5, events])
     assert _typed_bulk(payload) is None
     _assert_bulk_matches(payload)
+
+
+def test_the_typed_array_form_reads_vllms_field_order():
+    assert _StoredArray.__struct_fields__ == STORED_FIELDS

@@ -90,18 +90,21 @@ def _state(policy=None) -> ConductorState:
         rng=random.Random(3),
     )
     for eid in ("e0", "e1"):
-        state.engine_joined(
-            NodeRecord(
-                kind="engine",
-                id=eid,
-                address="",
-                locality_domain="rack-a",
-                base_url=f"http://{eid}",
-                model=MODEL,
-                tokenizer=TOKENIZER,
-            )
-        )
+        state.engine_joined(_engine_record(eid))
     return state
+
+
+def _engine_record(eid: str, start_time_s: float = 0.0) -> NodeRecord:
+    return NodeRecord(
+        kind="engine",
+        id=eid,
+        address="",
+        locality_domain="rack-a",
+        base_url=f"http://{eid}",
+        model=MODEL,
+        tokenizer=TOKENIZER,
+        start_time_s=start_time_s,
+    )
 
 
 def test_optimistic_overlay_steers_the_next_plan_and_is_taken_back_on_error():
@@ -171,19 +174,6 @@ def test_locate_prefix_stops_at_the_first_block_held_nowhere(backend, tmp_path):
     assert [sorted(r.worker_id for r in f) for f in found] == [["e0"], ["e0", "s0"], ["e0"], ["e2"]]
     assert index.locate_prefix([]) == []
     index.close()
-
-
-def _engine_record(eid: str, start_time_s: float) -> NodeRecord:
-    return NodeRecord(
-        kind="engine",
-        id=eid,
-        address="",
-        locality_domain="rack-a",
-        base_url=f"http://{eid}",
-        model=MODEL,
-        tokenizer=TOKENIZER,
-        start_time_s=start_time_s,
-    )
 
 
 def test_an_engine_registering_a_new_run_loses_its_residency_and_overlay():
