@@ -35,6 +35,7 @@ step; its per-event ops are then built only if something asks for them.
 
 from __future__ import annotations
 
+import math
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -416,11 +417,23 @@ def _unpack(payload: bytes) -> tuple[Any, list[Any], Any]:
     return ts, raw_events, rank
 
 
+# A batch's ts in seconds must be finite and, as milliseconds, an exact int64 (an
+# index record's last_access_ms): +-2**53 ms, about 285,000 years either way.
+_TS_LIMIT_S = 2.0**53 / 1000
+
+
+def _ts_ok(ts: float) -> bool:
+    return math.isfinite(ts) and -_TS_LIMIT_S < ts < _TS_LIMIT_S
+
+
 def _batch_fields(ts: Any, rank: Any, errors: list[EventError]) -> tuple[float | None, int | None]:
     """The batch's ts and rank, each None (and reported in `errors`) if malformed."""
     out_ts = out_rank = None
     if type(ts) in (float, int):
         out_ts = float(ts)
+        if not _ts_ok(out_ts):
+            errors.append(EventError(-1, "bad_ts", f"ts is no time in seconds: {ts}"))
+            out_ts = None
     elif ts is not None:
         errors.append(EventError(-1, "bad_ts", f"ts is not a number: {_short(ts)}"))
     if type(rank) is int:
@@ -1047,6 +1060,8 @@ def _typed_bulk(payload: bytes) -> BulkBatch | None:
     if decoded is None:
         return None
     ts, rank, columns, map_form = decoded
+    if ts is not None and not _ts_ok(ts):
+        return None  # reported by the general path
     hashes, tokens, sizes = columns[HASHES], columns[TOKENS], columns[SIZE]
     count = len(hashes)
     lengths = list(map(len, hashes))

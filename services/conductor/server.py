@@ -72,6 +72,7 @@ class ConductorServer:
         self._runner = None
         self._tasks: list[asyncio.Task] = []
         self.engines_seen = asyncio.Event()
+        self.tick_failures = 0
 
     def _register_metrics(self) -> None:
         state = self.state
@@ -102,6 +103,16 @@ class ConductorServer:
             "restart_records_dropped_total",
             "residency records dropped because their engine registered a new run",
             read=lambda: [((), state.counters.restart_records_dropped)],
+        )
+        m.gauge(
+            "index_write_failures_total",
+            "queued index writes the durable backend refused (logged)",
+            read=lambda: [((), getattr(self.index, "failed_writes", 0))],
+        )
+        m.gauge(
+            "tick_failures_total",
+            "periodic ticks (expiry, index flush) that raised; logged",
+            read=lambda: [((), self.tick_failures)],
         )
         m.gauge(
             "guard_refusals_total",
@@ -251,14 +262,18 @@ class ConductorServer:
         heap.settle()
         while True:
             await asyncio.sleep(TICK_S)
-            self.state.tick()
-            now = time.monotonic()
-            if now - last_flush >= FLUSH_S:
-                last_flush = now
-                await asyncio.to_thread(self.index.flush)
-            # The index is millions of long-lived objects: keep the cycle collector
-            # from walking them inside a Plan (see quillcache_core.heap).
-            heap.maybe_settle()
+            try:
+                self.state.tick()
+                now = time.monotonic()
+                if now - last_flush >= FLUSH_S:
+                    last_flush = now
+                    await asyncio.to_thread(self.index.flush)
+                # The index is millions of long-lived objects: keep the cycle collector
+                # from walking them inside a Plan (see quillcache_core.heap).
+                heap.maybe_settle()
+            except Exception:  # expiry and flushing must outlive any one failure
+                self.tick_failures += 1
+                logger.exception("conductor tick failed; the next one runs as usual")
 
     async def stop(self) -> None:
         for task in self._tasks:

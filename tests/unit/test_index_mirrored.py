@@ -153,3 +153,21 @@ def test_worker_epochs_reach_lmdb_at_flush_and_come_back_on_reopen(tmp_path):
         assert reopened.worker_epochs() == {"e0": 42.0}
     finally:
         reopened.close()
+
+
+def test_a_write_lmdb_refuses_is_counted_and_the_writes_after_it_still_land(tmp_path):
+    mirrored = MirroredIndex(LmdbIndex(tmp_path / "idx"))
+    bad = CacheResidency(KEYS[0], "e0", CacheTier.HBM, 1, last_access_ms=2**70)  # no int64
+    good = CacheResidency(KEYS[1], "e1", CacheTier.HBM, 1)
+    mirrored.put(bad)
+    mirrored.put(good)  # one queued put_many with the bad record
+    mirrored.set_worker_epoch("e1", 3.0)
+    mirrored.flush()
+    assert mirrored.failed_writes == 1
+    mirrored.close()
+    reopened = LmdbIndex(tmp_path / "idx")
+    try:
+        assert [r.worker_id for r in reopened.snapshot()] == ["e1"]
+        assert reopened.worker_epochs() == {"e1": 3.0}
+    finally:
+        reopened.close()

@@ -369,6 +369,15 @@ def test_batch_level_field_errors_keep_the_events():
     assert decode_batch(_pack([True, []])).errors[0].reason == "bad_ts"
 
 
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), float("-inf"), 1e300, -1e17])
+def test_a_ts_that_is_no_time_is_reported_and_the_events_still_apply(ts):
+    enc = VllmEventEncoder(block_size=BS, seed=b"n" * 16)
+    payload = encode_batch([enc.stored_event(PROMPT)], "array", ts=ts)
+    bulk = _assert_bulk_matches(payload)
+    assert bulk.ts is None and [(e.index, e.reason) for e in bulk.errors] == [(-1, "bad_ts")]
+    assert bulk.event_count == 1
+
+
 @pytest.mark.parametrize(
     ("payload", "reason"),
     [

@@ -14,6 +14,7 @@ flushed. A crash loses at most the writes since the last flush, as with
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable
 
@@ -25,6 +26,8 @@ from quillcache_core.model import (
     IndexMetrics,
     KvBlockKey,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class MirroredIndex(IndexBackend):
@@ -40,6 +43,7 @@ class MirroredIndex(IndexBackend):
         self._pending: list[tuple[str, tuple]] = []
         self._pending_lock = threading.Lock()
         self._drain_lock = threading.RLock()
+        self.failed_writes = 0  # queued writes the durable backend refused (logged)
         self.name = durable.name
 
     @property
@@ -161,8 +165,23 @@ class MirroredIndex(IndexBackend):
             for op, args in ops:
                 if op == "put_many":
                     args = (_expand(args[0]),)
-                getattr(durable, op)(*args)
+                try:
+                    getattr(durable, op)(*args)
+                except Exception:  # one write that cannot be stored must not lose the rest
+                    if op == "put_many":  # its transaction wrote nothing: put them one by one
+                        self._put_each(args[0])
+                    else:
+                        self.failed_writes += 1
+                        logger.exception("index write %s could not reach the durable backend", op)
             return len(ops)
+
+    def _put_each(self, records: list[CacheResidency]) -> None:
+        for record in records:
+            try:
+                self._durable.put(record)
+            except Exception:
+                self.failed_writes += 1
+                logger.exception("index record %s could not reach the durable backend", record)
 
     def flush(self) -> None:
         """Apply every queued write and make it durable."""
