@@ -324,10 +324,19 @@ def _stored(event: Any, index: int) -> EngineBlockStored:
             f"{len(tokens)} tokens for {len(hashes)} blocks of {block_size}",
         )
     tier = _tier(medium)
+    metadata = None
+    if type(lora_name) is dict:
+        # SGLang's BlockStoredWithMetadata: its metadata map ({"cache_salt": ...})
+        # follows `medium`, where vLLM's array form has lora_name.
+        metadata, lora_name = lora_name, None
+    elif type(event) is dict and type(event.get("metadata")) is dict:
+        metadata = event["metadata"]
     lora = _opt_str(lora_name, "bad_lora_name", "lora_name")
     salt = None
     if type(event) is dict:
         salt = _opt_str(event.get("cache_salt"), "bad_cache_salt", "cache_salt")
+    if salt is None and metadata is not None:
+        salt = _opt_str(metadata.get("cache_salt"), "bad_cache_salt", "metadata.cache_salt")
     extra_salt = _salt_from_extra_keys(extra_keys, lora)
     if salt is None:
         salt = extra_salt

@@ -142,7 +142,8 @@ def prompt(seed: int, blocks: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("encoding", "hash_style"), [("array", "u64"), ("map", "i64"), ("map", "bytes32")]
+    ("encoding", "hash_style"),
+    [("array", "u64"), ("map", "i64"), ("map", "bytes32"), ("sglang", "i64")],
 )
 def test_events_fill_the_index_and_survive_corruption_gaps_and_clears(encoding, hash_style):
     async def scenario() -> None:

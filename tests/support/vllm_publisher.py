@@ -6,7 +6,11 @@
   positional batch `[ts, events, data_parallel_rank]`, trailing defaulted fields
   omitted;
 - encoding "map": tagged maps (`{"type": "BlockStored", ...}`, defaulted fields
-  omitted) in a map batch `{"ts", "events", "data_parallel_rank"}`.
+  omitted) in a map batch `{"ts", "events", "data_parallel_rank"}`;
+- encoding "sglang": SGLang's own publisher, tagged arrays with every field sent
+  and none of vLLM's later ones (`[tag, block_hashes, parent, token_ids, block_size,
+  lora_id, medium]`), a salted request's blocks followed by a metadata map
+  `{"cache_salt": ...}`, in a batch `[ts, events, attn_dp_rank]`.
 
 Engine block hashes are SHA-256 over (parent, tokens, extra keys) with a per-engine
 seed, like vLLM's, reported as the digest's low 64 bits ("u64"), the same bits as a
@@ -52,7 +56,8 @@ import zmq
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 HASH_STYLES = ("u64", "i64", "bytes32")
-ENCODINGS = ("array", "map")
+ENCODINGS = ("array", "map")  # vLLM's
+SGLANG = "sglang"
 
 # Field names in vLLM's order; the first `required` have no default and are always sent.
 STORED_FIELDS = (
@@ -84,6 +89,15 @@ def _wire_hash(digest: bytes, style: str) -> int | bytes:
 
 def encode_event(tag: str, values: dict[str, Any], encoding: str) -> Any:
     """One event as vLLM's tagged struct serialises it (defaulted trailing fields omitted)."""
+    if encoding == SGLANG:
+        if tag == "BlockStored":
+            fields = [values.get(name) for name in STORED_FIELDS[:6]]
+            if values.get("cache_salt"):
+                fields.append({"cache_salt": values["cache_salt"]})
+            return [tag, *fields]
+        if tag == "BlockRemoved":
+            return [tag, values.get("block_hashes"), values.get("medium")]
+        return [tag]
     if tag == "BlockStored":
         names, required = STORED_FIELDS, STORED_REQUIRED
     elif tag == "BlockRemoved":
@@ -131,8 +145,8 @@ class VllmEventEncoder:
         dp_rank: int | None = 0,
         seed: bytes | None = None,
     ) -> None:
-        if encoding not in ENCODINGS:
-            raise ValueError(f"encoding must be one of {ENCODINGS}")
+        if encoding not in (*ENCODINGS, SGLANG):
+            raise ValueError(f"encoding must be one of {(*ENCODINGS, SGLANG)}")
         if hash_style not in HASH_STYLES:
             raise ValueError(f"hash_style must be one of {HASH_STYLES}")
         self.encoding = encoding
@@ -199,6 +213,7 @@ class VllmEventEncoder:
             "medium": self.medium if medium is None else medium,
             "lora_name": lora,
             "extra_keys": extra if any(e is not None for e in extra) else None,
+            "cache_salt": salt,  # SGLang's metadata (vLLM carries it in extra_keys)
         }
         return encode_event("BlockStored", values, self.encoding)
 
@@ -386,7 +401,7 @@ def _run_command(pub: VllmStylePublisher, cmd: dict[str, Any]) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--encoding", choices=ENCODINGS, default="array")
+    parser.add_argument("--encoding", choices=(*ENCODINGS, SGLANG), default="array")
     parser.add_argument("--hash-style", choices=HASH_STYLES, default="u64")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--medium", default="GPU")

@@ -83,6 +83,18 @@ def test_salted_blocks_get_exactly_the_gateway_hashes(encoding, hash_style):
     assert all(index.locate_hash(k.block_hash) == [] for k in gateway_keys(PROMPT, None))
 
 
+def test_sglang_salted_blocks_get_exactly_the_gateway_hashes():
+    """SGLang's own hashes and its metadata-carried salt: the translator recomputes
+    what the gateway derives for that tenant."""
+    index, tr = make()
+    blocks = len(PROMPT) // BS
+    event = ["BlockStored", list(range(11, 11 + blocks)), None, PROMPT[: blocks * BS], BS]
+    event += [None, "GPU", {"cache_salt": "acme"}]
+    result = tr.apply(decode_bulk(msgpack.packb([1.0, [event], 0])))
+    assert result.applied == 1 and result.rejected == []
+    assert engine_keys(index) == set(gateway_keys(PROMPT, "acme"))
+
+
 def test_unsalted_blocks_use_the_default_tenant_without_salt():
     index, tr = make()
     enc = encoder()

@@ -249,6 +249,39 @@ def test_salt_extraction_from_extra_keys(extra_keys, lora_name, salt):
     assert batch.events[0].lora_name == lora_name
 
 
+def test_sglang_array_events_carry_the_salt_in_their_metadata_map():
+    """SGLang's array form: [tag, hashes, parent, tokens, block_size, lora_id, medium]
+    and, for a salted request, a metadata map {"cache_salt": ...} after medium; its
+    batch is [ts, events, attn_dp_rank]."""
+    tokens = list(range(3 * BS))
+    salted = [
+        "BlockStored",
+        [7, 8],
+        None,
+        tokens[: 2 * BS],
+        BS,
+        None,
+        "GPU",
+        {"cache_salt": "acme"},
+    ]
+    plain = ["BlockStored", [9], 8, tokens[2 * BS :], BS, None, "CPU_PINNED"]
+    payload = _pack([1.5, [salted, plain], 3])
+    batch = decode_batch(payload)
+    assert batch.errors == [] and batch.dp_rank == 3
+    first, second = batch.events
+    assert (first.cache_salt, first.lora_name, first.tier) == ("acme", None, CacheTier.HBM)
+    assert (second.cache_salt, second.tier) == (None, CacheTier.CPU_DRAM)
+    _assert_bulk_matches(payload)
+    # The map form may carry the same metadata by name.
+    mapped = {"type": "BlockStored", "block_hashes": [1], "token_ids": tokens[:BS]}
+    mapped |= {"block_size": BS, "metadata": {"cache_salt": "globex"}}
+    assert decode_batch(_pack([0.0, [mapped]])).events[0].cache_salt == "globex"
+    bad = [*salted[:7], {"cache_salt": 5}]
+    errors = decode_batch(_pack([0.0, [bad]])).errors
+    assert [(e.index, e.reason) for e in errors] == [(0, "bad_cache_salt")]
+    _assert_bulk_matches(_pack([0.0, [bad, plain]]))
+
+
 def test_sglang_cache_salt_field_wins_over_extra_keys():
     event = {
         "type": "BlockStored",
