@@ -11,7 +11,8 @@ measures, in one run:
   Plans left open by the thousand would pile optimistic copies of the same prefixes
   onto every engine, a state no fleet reaches);
 - KV-event ingest in-process (decode + translate of vLLM-encoded batches into an
-  index; the median of three passes), with msgpack decoding alone as the baseline;
+  index; the median of three passes), with msgpack decoding alone as the baseline,
+  for tagged-array events (the goal's row) and again for vLLM's map form;
 - KV-event ingest over ZMQ into the conductor process (block events/s until the
   conductor's index holds them all).
 
@@ -303,33 +304,53 @@ async def _bench(args, etcd, address, results) -> None:
     # --- KV events ---
     payloads = _vllm_payloads(args.event_blocks, nprng)
     results["events_in_process"] = _ingest_in_process(payloads)
+    # The same events as vLLM encodes them since its map form (no goal of its own).
+    map_payloads = _vllm_payloads(args.event_blocks, np.random.default_rng(args.seed), maps=True)
+    results["events_in_process_map"] = _ingest_in_process(map_payloads, "map form")
     results["events_zmq"] = await _ingest_zmq(payloads, registry, stub, zmq_port)
     await registry.close()
     await channel.close()
 
 
-def _vllm_payloads(blocks: int, nprng) -> list[bytes]:
-    """vLLM-encoded batches (tagged arrays): 64 BlockStored events of 1 block each, chained."""
+def _vllm_payloads(blocks: int, nprng, *, maps: bool = False) -> list[bytes]:
+    """vLLM-encoded batches: 64 BlockStored events of 1 block each, chained; tagged
+    arrays in an array batch, or (`maps`) vLLM's map form."""
     payloads = []
     parent = None
     ts = time.time()
     for start in range(0, blocks, 64):
-        events = []
+        events: list = []
         for i in range(start, min(blocks, start + 64)):
             tokens = nprng.integers(0, 32000, size=BS).tolist()
-            events.append(["BlockStored", [i + 1], parent, tokens, BS, None, "GPU"])
+            if maps:
+                events.append(
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [i + 1],
+                        "parent_block_hash": parent,
+                        "token_ids": tokens,
+                        "block_size": BS,
+                        "lora_id": None,
+                        "medium": "GPU",
+                        "lora_name": None,
+                    }
+                )
+            else:
+                events.append(["BlockStored", [i + 1], parent, tokens, BS, None, "GPU"])
             parent = i + 1
-        payloads.append(msgpack.packb([ts, events, 0]))
+        batch = {"ts": ts, "events": events, "data_parallel_rank": 0} if maps else [ts, events, 0]
+        payloads.append(msgpack.packb(batch))
     return payloads
 
 
-def _ingest_in_process(payloads: list[bytes], passes: int = 3) -> dict:
+def _ingest_in_process(payloads: list[bytes], what: str = "", passes: int = 3) -> dict:
     """Decode + translate every payload into a fresh index, `passes` times; the median
     pass is the figure (one pass is about a third of a second, short enough for this
     machine's noise to move it by 10%), the slowest and fastest are kept beside it."""
-    blocks = sum(len(msgpack.unpackb(p)[1]) for p in payloads)
+    batches = [msgpack.unpackb(p) for p in payloads]
+    blocks = sum(len(b["events"] if isinstance(b, dict) else b[1]) for b in batches)
     baselines, rates = [], []
-    progress = Progress("events in-process", passes * len(payloads))
+    progress = Progress(f"events in-process {what}".strip(), passes * len(payloads))
     for _ in range(passes):
         t = time.perf_counter()
         for p in payloads:
@@ -515,6 +536,13 @@ def _report(args, results) -> None:
                     inproc["block_events_per_s"] / inproc["msgpack_only_per_s"],
                 ),
                 (
+                    "  the same events in vLLM's map form (no goal)",
+                    results["events_in_process_map"]["block_events_per_s"],
+                    results["events_in_process_map"]["msgpack_only_per_s"],
+                    results["events_in_process_map"]["block_events_per_s"]
+                    / results["events_in_process_map"]["msgpack_only_per_s"],
+                ),
+                (
                     "block events/s over ZMQ",
                     overzmq["block_events_per_s"],
                     inproc["block_events_per_s"],
@@ -571,6 +599,7 @@ def _plot(results, path):
     rates = {
         "msgpack only": inproc["msgpack_only_per_s"],
         "in-process": inproc["block_events_per_s"],
+        "in-process,\nmap form": results["events_in_process_map"]["block_events_per_s"],
         "over ZMQ": results["events_zmq"]["block_events_per_s"],
     }
     right.bar(list(rates), list(rates.values()), color="tab:purple")
