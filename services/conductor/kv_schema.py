@@ -27,6 +27,7 @@ __all__ = [
     "HASHES",
     "LORA_NAME",
     "MEDIUM",
+    "METADATA",
     "PARENT",
     "SIZE",
     "TOKENS",
@@ -63,6 +64,7 @@ class _StoredArray(_Stored, tag="BlockStored", array_like=True, kw_only=True):
 
 class _StoredMap(_Stored, tag="BlockStored", tag_field="type", kw_only=True):
     cache_salt: str | None = None  # SGLang's field; the array form has none
+    metadata: Any = None  # SGLang's salt map: the caller leaves such events to the general path
 
 
 class _ArrayBatch(msgspec.Struct, Generic[_Event], array_like=True, gc=False):
@@ -97,7 +99,7 @@ def _form(first: int) -> str | None:
 
 # The columns of stored_columns: every event's value of one field.
 HASHES, PARENT, TOKENS, SIZE = range(4)
-MEDIUM, LORA_NAME, EXTRA_KEYS, GROUP, CACHE_SALT = range(5, 10)
+MEDIUM, LORA_NAME, EXTRA_KEYS, GROUP, CACHE_SALT, METADATA = range(5, 11)
 
 
 def stored_columns(
@@ -107,7 +109,8 @@ def stored_columns(
     each a valid BlockStored, else None.
 
     `columns[HASHES][i]` is event i's block_hashes, and so on (the constants above);
-    `columns[CACHE_SALT]` is only there in the map form (the flag says which).
+    `columns[CACHE_SALT]` and `columns[METADATA]` are only there in the map form (the
+    flag says which).
     """
     if not payload:
         return None

@@ -54,6 +54,7 @@ from quillcache_conductor.kv_schema import (
     HASHES,
     LORA_NAME,
     MEDIUM,
+    METADATA,
     PARENT,
     SIZE,
     TOKENS,
@@ -919,7 +920,7 @@ def _fast_ops(raw_events: list[Any]) -> _Ops | None:
             hashes = get("block_hashes")
             medium = get("medium")
             group = get("group_idx")
-            if tag == "BlockStored":
+            if tag == "BlockStored" and "metadata" not in event:  # (SGLang's: per event)
                 stored = True
                 parent = get("parent_block_hash")
                 tokens = get("token_ids")
@@ -1100,6 +1101,8 @@ def _typed_bulk(payload: bytes) -> BulkBatch | None:
         groups = None
     salts: Sequence[str | None] | None = None
     if map_form:
+        if columns[METADATA].count(None) != count:
+            return None  # SGLang's metadata map: the general path reads its salt
         salts = columns[CACHE_SALT]
         if salts.count(None) == count:
             salts = None

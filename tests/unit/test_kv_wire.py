@@ -464,7 +464,9 @@ _ARRAY_EVENTS = st.builds(lambda tag, rest: [tag, *rest], _TAGS, st.lists(_VALUE
 _MAP_EVENTS = st.builds(
     lambda tag, rest: {"type": tag, **rest},
     _TAGS,
-    st.dictionaries(st.sampled_from(STORED_FIELDS + ("cache_salt",)), _VALUES, max_size=11),
+    st.dictionaries(
+        st.sampled_from(STORED_FIELDS + ("cache_salt", "metadata")), _VALUES, max_size=11
+    ),
 )
 _EVENTS = st.lists(_ARRAY_EVENTS | _MAP_EVENTS | _VALUES, max_size=5)
 _BATCHES = (
@@ -701,6 +703,9 @@ def _stored_batches_any_form(draw: st.DrawFn) -> bytes:
             salt = draw(st.sampled_from([None, None, "acme", "", 5]))
             if salt is not None:
                 event["cache_salt"] = salt
+            metadata = draw(st.sampled_from([None, None, {"cache_salt": "globex"}, {"x": 1}]))
+            if metadata is not None:
+                event["metadata"] = metadata
         else:
             event = ["BlockStored", *fields.values()][: draw(st.integers(5, 10))]
         events.append(event)
