@@ -692,7 +692,9 @@ def _run_of(ops: list[tuple[Any, ...]]) -> StoredRun | None:
 
 
 _Ops = tuple[list[tuple[Any, ...]], bytes, list[EventError]]
-_Columnar = tuple[Callable[[], list[tuple[Any, ...]]], bytes, StoredRun | None]
+# (a function building the ops, the StoredRun if the batch is one)
+_Made = tuple[Callable[[], list[tuple[Any, ...]]], StoredRun | None]
+_Columnar = tuple[bytes, _Made]  # (packed token ids, _Made)
 
 
 def _reference_ops(raw_events: list[Any]) -> _Ops:
@@ -710,10 +712,10 @@ def _reference_ops(raw_events: list[Any]) -> _Ops:
 def _columnar_ops(raw_events: list[Any]) -> _Columnar | None:
     """A batch of array-form BlockStored events of one length, decoded field by field.
 
-    Every check runs over a whole column in C. Returns (a function building the ops,
-    the packed token ids, the StoredRun if the batch is one), or None if the batch is
-    not that shape or any value needs the per-event decoder (a wrong type, an empty
-    LoRA name).
+    Every check runs over a whole column in C. Returns (the packed token ids, (a
+    function building the ops, the StoredRun if the batch is one)), or None if the
+    batch is not that shape or any value needs the per-event decoder (a wrong type, an
+    empty LoRA name).
     """
     count = len(raw_events)
     if set(map(type, raw_events)) != {list}:
@@ -772,16 +774,11 @@ def _columnar_ops(raw_events: list[Any]) -> _Columnar | None:
         if not set(map(type, columns[9])) <= {type(None), int}:
             return None
         groups = columns[9]
-    flat: list[int] = []
-    add = flat.extend
-    for ids in tokens:
-        add(ids)
-    packed = _checked_tokens(flat)
+    packed = _checked_tokens(_flatten(tokens))
     if packed is None:
         return None
-    return _from_columns(
-        hashes, parents, sizes, token_counts, packed, tiers, loras, extras, groups, None
-    )
+    made = _from_columns(hashes, parents, sizes, token_counts, tiers, loras, extras, groups, None)
+    return None if made is None else (packed, made)
 
 
 def _from_columns(
@@ -789,16 +786,15 @@ def _from_columns(
     parents: Sequence[Any],
     sizes: Sequence[int],
     token_counts: list[int],
-    packed: bytes,
     tiers: list[CacheTier],
     loras: Sequence[str | None] | None,
     extras: Sequence[Any] | None,
     groups: Sequence[int | None] | None,
     salts: Sequence[str | None] | None,
-) -> _Columnar | None:
+) -> _Made | None:
     """The ops (and StoredRun) of BlockStored events given column by column, every
-    value already of its right type and every token id packed; checks what spans
-    columns (hash kinds, the chain). `salts` are map-form events' own cache_salt
+    value already of its right type and their token ids packed by the caller; checks
+    what spans columns (hash kinds, the chain). `salts` are map-form events' own cache_salt
     fields (None: none has one); a missing salt comes from `extras`."""
     count = len(hashes)
     keys = (
@@ -869,7 +865,25 @@ def _from_columns(
             salt_of(0),
             count,
         )
-    return make_ops, packed, run
+    return make_ops, run
+
+
+def _flatten(token_lists: Sequence[list[int]]) -> list[int]:
+    """Every event's token ids, in order, in one list."""
+    flat: list[int] = []
+    add = flat.extend
+    for ids in token_lists:
+        add(ids)
+    return flat
+
+
+def _columnar_batch(
+    ts: float | None, rank: int | None, columnar: _Columnar, errors: list[EventError]
+) -> BulkBatch:
+    packed, (make_ops, run) = columnar
+    if run is not None:
+        return BulkBatch(ts, rank, None, packed, errors, run=run, make_ops=make_ops)
+    return BulkBatch(ts, rank, make_ops(), packed, errors)
 
 
 def _fast_ops(raw_events: list[Any]) -> _Ops | None:
@@ -1050,10 +1064,7 @@ def decode_bulk(payload: bytes) -> BulkBatch:
     if raw_events:
         columnar = _columnar_ops(raw_events)
         if columnar is not None:
-            make_ops, packed, run = columnar
-            if run is not None:
-                return BulkBatch(out_ts, out_rank, None, packed, errors, run=run, make_ops=make_ops)
-            return BulkBatch(out_ts, out_rank, make_ops(), packed, errors)
+            return _columnar_batch(out_ts, out_rank, columnar, errors)
     result = _fast_ops(raw_events) if raw_events else None
     if result is None:
         result = _reference_ops(raw_events)
@@ -1108,29 +1119,11 @@ def _typed_bulk(payload: bytes) -> BulkBatch | None:
             salts = None
         elif "" in salts:
             return None
-    flat: list[int] = []
-    add = flat.extend
-    for ids in tokens:
-        add(ids)
-    packed = array("I", flat)  # in range: the decoder checked every id
-    if _BIG_ENDIAN:
-        packed.byteswap()
-    columnar = _from_columns(
-        hashes,
-        columns[PARENT],
-        sizes,
-        token_counts,
-        packed.tobytes(),
-        tiers,
-        loras,
-        extras,
-        groups,
-        salts,
+    made = _from_columns(
+        hashes, columns[PARENT], sizes, token_counts, tiers, loras, extras, groups, salts
     )
-    if columnar is None:
+    if made is None:
         return None
-    make_ops, packed_tokens, run = columnar
-    out_ts = None if ts is None else float(ts)
-    if run is not None:
-        return BulkBatch(out_ts, rank, None, packed_tokens, [], run=run, make_ops=make_ops)
-    return BulkBatch(out_ts, rank, make_ops(), packed_tokens, [])
+    # The decoder checked every token id, so they pack as they are.
+    packed = _pack_tokens(_flatten(tokens))
+    return _columnar_batch(None if ts is None else float(ts), rank, (packed, made), [])
