@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from quillcache_core.etcd_server import EtcdServer
+from quillcache_core.launch.etcd_server import EtcdServer
 
 # Faster elections than etcd's defaults (100 ms / 1000 ms): quicker start and restart,
 # and a minimum lease TTL of 1 s instead of 2 s.

@@ -6,8 +6,8 @@ import asyncio
 import sys
 
 from quillcache_conductor.config import ConductorConfig
-from quillcache_core.service import configure_logging, serve_until_signalled
-from quillcache_core.settings import load_settings
+from quillcache_core.process.service import configure_logging, serve_until_signalled
+from quillcache_core.process.settings import load_settings
 
 DESCRIPTION = (
     "QuillCache conductor: routing plans with live load, residency index, reuse guard, "

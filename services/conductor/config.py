@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.policies import POLICY_NAMES
-from quillcache_core.settings import opt
+from quillcache_core.process.settings import opt
+from quillcache_core.routing.references import POLICY_NAMES
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,19 @@ import logging
 
 from quillcache.v1 import conductor_pb2
 from quillcache_conductor.kv_translate import EngineEventTranslator
-from quillcache_conductor.kv_wire import (
-    BulkBatch,
+from quillcache_conductor.state import ConductorState
+from quillcache_conductor.zmq_sub import EngineSubscriber
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.kvevents.bulk import BulkBatch
+from quillcache_core.kvevents.events import (
     DecodedBatch,
     EngineAllCleared,
     EngineBlockRemoved,
     EngineBlockStored,
     EventError,
 )
-from quillcache_conductor.state import ConductorState
-from quillcache_conductor.zmq_sub import EngineSubscriber
-from quillcache_core.errors import InvalidArgument
-from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.model import CacheTier, IdentityScope
+from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord
 
 logger = logging.getLogger(__name__)

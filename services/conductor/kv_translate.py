@@ -35,22 +35,21 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
-from quillcache_conductor.kv_wire import (
+from quillcache_core.identity.hashing import ROOT_PARENT, identity_digest, packed_block_hashes
+from quillcache_core.index.base import Chain, IndexBackend
+from quillcache_core.kvevents.bulk import (
     OP_CLEARED,
     OP_REMOVED,
     OP_STORED,
     BulkBatch,
-    DecodedBatch,
     EngineKey,
-    EventError,
     StoredRun,
     bulk_from_events,
     engine_hash,
     engine_key,
     stored_shape,
 )
-from quillcache_core.hashing import ROOT_PARENT, identity_digest, packed_block_hashes
-from quillcache_core.index.base import Chain, IndexBackend
+from quillcache_core.kvevents.events import DecodedBatch, EventError
 from quillcache_core.model import MIB, CacheResidency, CacheTier, KvBlockKey
 
 __all__ = ["ApplyResult", "EngineEventTranslator", "TranslatorStats"]

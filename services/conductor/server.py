@@ -15,14 +15,14 @@ from quillcache_conductor.config import ConductorConfig
 from quillcache_conductor.events import EventRouter
 from quillcache_conductor.servicer import ConductorServicer
 from quillcache_conductor.state import ConductorState
-from quillcache_core.heap import HeapSettler
 from quillcache_core.index import open_index
-from quillcache_core.metrics import MetricsRegistry
 from quillcache_core.model import CostModel
-from quillcache_core.plan_port import PlanPortServer
-from quillcache_core.policies import make_policy
+from quillcache_core.process.heap import HeapSettler
+from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, open_registry
-from quillcache_core.rpc import (
+from quillcache_core.routing.references import make_policy
+from quillcache_core.rpc.plan_port import PlanPortServer
+from quillcache_core.rpc.server import (
     add_health_and_reflection,
     set_serving,
     start_metrics_app,
@@ -269,7 +269,7 @@ class ConductorServer:
                     last_flush = now
                     await asyncio.to_thread(self.index.flush)
                 # The index is millions of long-lived objects: keep the cycle collector
-                # from walking them inside a Plan (see quillcache_core.heap).
+                # from walking them inside a Plan (see quillcache_core.process.heap).
                 heap.maybe_settle()
             except Exception:  # expiry and flushing must outlive any one failure
                 self.tick_failures += 1

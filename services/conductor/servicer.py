@@ -14,12 +14,12 @@ from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_conductor.events import EventRouter
 from quillcache_conductor.state import ConductorState
 from quillcache_core.errors import InvalidArgument, QuillCacheError
-from quillcache_core.hashing import ROOT_PARENT
+from quillcache_core.identity.hashing import ROOT_PARENT
 from quillcache_core.model import IdentityScope, KvBlockKey, RequestShape, SloTarget
-from quillcache_core.plan_wire import unpack_hashes
-from quillcache_core.planner import ActionKind, action_runs
-from quillcache_core.proto_tiers import TIER_TO_PROTO
-from quillcache_core.rpc import status_for, unary_errors
+from quillcache_core.routing.actions import ActionKind, action_runs
+from quillcache_core.rpc.server import status_for, unary_errors
+from quillcache_core.wire.plan import unpack_hashes
+from quillcache_core.wire.tiers import TIER_TO_PROTO
 
 logger = logging.getLogger(__name__)
 

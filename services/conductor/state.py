@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
-from quillcache_core.hashing import keys_from_hashes
+from quillcache_core.identity.hashing import keys_from_hashes
 from quillcache_core.index.base import IndexBackend
 from quillcache_core.model import (
     MIB,
@@ -24,9 +24,10 @@ from quillcache_core.model import (
     RequestShape,
     WorkerState,
 )
-from quillcache_core.planner import Fleet, PlanDecision, Policy, action_runs
 from quillcache_core.registry import NodeRecord
-from quillcache_core.routing import plan_request
+from quillcache_core.routing.actions import action_runs
+from quillcache_core.routing.decide import plan_request
+from quillcache_core.routing.policy import Fleet, PlanDecision, Policy
 
 logger = logging.getLogger(__name__)
 

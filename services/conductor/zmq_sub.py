@@ -48,7 +48,9 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from quillcache_conductor.kv_wire import BulkBatch, WireError, decode_bulk
+from quillcache_core.kvevents.bulk import BulkBatch
+from quillcache_core.kvevents.bulk_decode import decode_bulk
+from quillcache_core.kvevents.events import WireError
 
 __all__ = ["EngineSubscriber", "SubscriberCounters"]
 

@@ -17,9 +17,9 @@ from collections import deque
 import grpc
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
-from quillcache_core.metrics import Counter
-from quillcache_core.plan_client import PlanClient
-from quillcache_core.plan_port import PlanPortClient, PlanPortUnreachable
+from quillcache_core.process.metrics import Counter
+from quillcache_core.rpc.plan_client import PlanClient
+from quillcache_core.rpc.plan_port import PlanPortClient, PlanPortUnreachable
 
 logger = logging.getLogger(__name__)
 

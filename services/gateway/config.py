@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.settings import opt
+from quillcache_core.process.settings import opt
 
 
 @dataclass(frozen=True)

@@ -24,22 +24,22 @@ import grpc
 from aiohttp import web
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.engine_plan import FIELD as PLAN_FIELD
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
-from quillcache_core.hashing import block_hashes, identity_digest
-from quillcache_core.metrics import MetricsRegistry
-from quillcache_core.model import CacheTier
-from quillcache_core.plan_wire import pack_hashes
-from quillcache_core.proto_tiers import tier_from_proto
-from quillcache_core.registry import open_registry
-from quillcache_core.rpc import error_from_status
-from quillcache_core.tokenize import (
+from quillcache_core.identity.hashing import block_hashes, identity_digest
+from quillcache_core.identity.tokenize import (
     BuiltinTokenizer,
     Tokenizer,
     load_tokenizers,
     prompt_tokens,
     render_chat,
 )
+from quillcache_core.model import CacheTier
+from quillcache_core.process.metrics import MetricsRegistry
+from quillcache_core.registry import open_registry
+from quillcache_core.rpc.server import error_from_status
+from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
+from quillcache_core.wire.plan import pack_hashes
+from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_gateway.conductor_calls import ConductorCalls, FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.errors import ApiError, from_domain, response

@@ -25,8 +25,8 @@ from typing import Any
 
 from aiohttp import web
 
-from quillcache_core.metrics import Counter
-from quillcache_core.tokenize import Tokenizer
+from quillcache_core.identity.tokenize import Tokenizer
+from quillcache_core.process.metrics import Counter
 from quillcache_simengine.config import SimEngineConfig
 from quillcache_simengine.engine import Prepared, SimEngine
 from quillcache_simengine.openai_api import (

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CostModel
-from quillcache_core.settings import opt
+from quillcache_core.process.settings import opt
 
 _COST = CostModel()
 

@@ -22,9 +22,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from quillcache_core.engine_plan import EnginePlan, FetchAction
-from quillcache_core.hashing import request_blocks
+from quillcache_core.identity.hashing import request_blocks
 from quillcache_core.model import KvBlockKey
+from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_simengine.events import (
     KvEventPublisher,
     all_cleared,

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.vllm_events import REMOVED_FIELDS, STORED_FIELDS
+from quillcache_core.kvevents.fields import REMOVED_FIELDS, STORED_FIELDS
 from quillcache_simengine.kvcache import CachedBlock, extra_keys_for
 
 __all__ = [

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from quillcache_core.engine_plan import FIELD as PLAN_FIELD
-from quillcache_core.engine_plan import EnginePlan
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.tokenize import Tokenizer, prompt_tokens, render_chat
+from quillcache_core.identity.tokenize import Tokenizer, prompt_tokens, render_chat
+from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
+from quillcache_core.wire.engine_plan import EnginePlan
 
 __all__ = [
     "ApiError",

@@ -22,9 +22,9 @@ from typing import Any
 from aiohttp import web
 
 from quillcache_core.errors import QuillCacheError
-from quillcache_core.metrics import MetricsRegistry
+from quillcache_core.identity.tokenize import BuiltinTokenizer, Tokenizer, load_tokenizers
+from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, NodeRegistry, open_registry
-from quillcache_core.tokenize import BuiltinTokenizer, Tokenizer, load_tokenizers
 from quillcache_simengine.completions import CompletionRoutes, json_error
 from quillcache_simengine.config import SimEngineConfig
 from quillcache_simengine.engine import SimEngine

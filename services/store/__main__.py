@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from quillcache_core.service import configure_logging, serve_until_signalled
-from quillcache_core.settings import load_settings
+from quillcache_core.process.service import configure_logging, serve_until_signalled
+from quillcache_core.process.settings import load_settings
 from quillcache_store.config import StoreConfig
 
 DESCRIPTION = (

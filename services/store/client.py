@@ -7,7 +7,7 @@
 
 Every call has a deadline (`timeout_s`). Only idempotent calls (get, exists, stats) are
 retried, on UNAVAILABLE, with exponential backoff; put and delete are not. A failed call
-raises the domain error of its status (`quillcache_core.rpc.error_from_status`):
+raises the domain error of its status (`quillcache_core.rpc.server.error_from_status`):
 NotFound, InvalidArgument, CapacityExceeded, Corrupt, NodeUnavailable.
 
 Put and Get move block bytes as hand-framed chunks (see `wire`): the payload is never
@@ -37,8 +37,8 @@ import grpc.aio
 from quillcache.v1 import store_pb2
 from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_core.proto_tiers import tier_from_proto, tier_to_proto
-from quillcache_core.rpc import error_from_status
+from quillcache_core.rpc.server import error_from_status
+from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
 from quillcache_store import wire
 from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.dataput import BlockPusher

@@ -22,9 +22,9 @@ from quillcache.v1 import (
 )
 from quillcache_core.errors import NodeUnavailable, NotFound
 from quillcache_core.model import KvBlockKey
-from quillcache_core.proto_tiers import tier_from_proto
 from quillcache_core.registry import NodeRecord, NodeRegistry
-from quillcache_core.rpc import error_from_status
+from quillcache_core.rpc.server import error_from_status
+from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_store import wire
 from quillcache_store.client import CHANNEL_OPTIONS, StoreClient, domain_error
 from quillcache_store.pooled import PeerLocation

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from quillcache_core.errors import NodeUnavailable
-from quillcache_core.metrics import MetricsRegistry
+from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, open_registry
-from quillcache_core.rpc import (
+from quillcache_core.rpc.server import (
     add_health_and_reflection,
     error_from_status,
     set_serving,

@@ -25,8 +25,8 @@ import grpc
 from quillcache.v1 import store_pb2
 from quillcache_core.errors import CapacityExceeded, InvalidArgument, QuillCacheError
 from quillcache_core.model import CacheTier
-from quillcache_core.proto_tiers import tier_from_proto, tier_to_proto
-from quillcache_core.rpc import stream_errors, unary_errors
+from quillcache_core.rpc.server import stream_errors, unary_errors
+from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
 from quillcache_store import dataproto, wire
 from quillcache_store.datapull import BlockPuller, OutcomeBatches, PullOutcome
 from quillcache_store.pooled import PooledStore

@@ -11,21 +11,7 @@ tier rebuilds its in-memory index (keys, sizes, checksums, LRU order) from `meta
 alone, without reading payloads, and reconciles it with the keys of `blocks` (a
 keys-only scan). Stale reader slots of dead processes are cleared (`reader_check`).
 
-Writes. A single writer thread applies every change. Callers enqueue operations and
-the writer commits them in batches (group commit): once an operation is queued it
-waits for more, then commits them all in one transaction. It waits up to
-`group_commit_window_s` when a durable put is queued, or up to `lazy_commit_window_s`
-(default 50 ms) when only non-durable operations are queued, and stops waiting at
-`max_batch_ops` operations or `max_batch_bytes` bytes. A durable batch waits only
-while another writer may still join: a put is being prepared (copying its payload),
-or a thread that made a durable put in the last 50 ms has nothing queued yet. So a
-lone writer pays no window, and N steady writers commit together. Puts that arrive
-while a commit is being synced form the next batch. The environment is opened with
-sync on, so every commit is flushed (fdatasync of the data, then of the meta page)
-before it is acknowledged. The second flush is not what a commit waits for: with
-metasync off, batches of 2 MiB durable puts from 8 threads committed no faster here
-(0.24-0.28 GB/s against 0.15-0.33 with it on), their time going into copying the
-records into new page-cache pages.
+Writes go through one writer thread that commits in groups (`ssd_writer` has how).
 
 - `put(..., durable=True)` (the default) returns only after its transaction has
   committed; concurrent durable puts share a commit.
@@ -59,131 +45,30 @@ Every method is thread-safe.
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import lmdb
-import msgpack
 
 from quillcache_core.errors import CapacityExceeded, InvalidArgument, NodeUnavailable
 from quillcache_core.model import KvBlockKey
 from quillcache_store.blockcodec import (
     CorruptBlock,
     decode_header,
-    decode_identity,
     encode,
-    encode_identity,
     payload_checksum,
     storage_key,
 )
+from quillcache_store.ssd_records import MIB, _Meta, _Op, _Prepared, tune_malloc_for_large_values
+from quillcache_store.ssd_writer import GroupCommitWriter
 
 log = logging.getLogger(__name__)
 
-MIB = 1024 * 1024
-_META_VERSION = 1
-_RECENT_WRITER_S = 0.05
-_malloc_tuned = False
 
-
-def tune_malloc_for_large_values() -> bool:
-    """Make glibc keep freed memory for reuse instead of returning it to the kernel.
-
-    With writemap=False LMDB mallocs every dirty page of a transaction and frees them at
-    commit. By default glibc serves 2 MiB values from fresh mmaps or trims the heap
-    after a batch, so every batched value pays its page faults again: measured here,
-    txn.put of a 2 MiB value took ~1.4 ms inside a 4-value transaction against ~0.3 ms
-    with these settings, and batched durable writes ran ~1.7x faster. The settings are
-    process-wide (mmap threshold 32 MiB, trim threshold 512 MiB, top pad 16 MiB): the
-    store process keeps up to a few hundred MiB of freed heap for the next batch.
-    Best effort: returns False where glibc's mallopt is not available.
-    """
-    global _malloc_tuned
-    if _malloc_tuned:
-        return True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    ok = (
-        mallopt(m_mmap_threshold, 32 * MIB) == 1
-        and mallopt(m_trim_threshold, 512 * MIB) == 1
-        and mallopt(m_top_pad, 16 * MIB) == 1
-    )
-    _malloc_tuned = ok
-    return ok
-
-
-@dataclass(slots=True)
-class _Meta:
-    key: KvBlockKey
-    payload_len: int
-    record_len: int
-    checksum: int
-    seq: int
-
-    def pack(self) -> bytes:
-        return msgpack.packb(
-            [
-                _META_VERSION,
-                encode_identity(self.key),
-                self.payload_len,
-                self.record_len,
-                self.checksum,
-                self.seq,
-            ],
-            use_bin_type=True,
-        )
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> _Meta:
-        version, ident, payload_len, record_len, digest, seq = msgpack.unpackb(raw, raw=False)
-        if version != _META_VERSION:
-            raise ValueError(f"unknown meta version {version}")
-        return cls(decode_identity(ident), payload_len, record_len, digest, seq)
-
-
-class _Op:
-    __slots__ = ("kind", "sk", "record", "meta", "durable", "done", "error", "nbytes")
-
-    def __init__(self, kind: str, sk: bytes, record=None, meta=None, durable=False):
-        self.kind = kind  # "put" | "delete" | "barrier"
-        self.sk = sk
-        self.record = record
-        self.meta = meta
-        self.durable = durable
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.nbytes = len(record) if record is not None else 0
-
-    def wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class _Prepared:
-    __slots__ = ("key", "sk", "n", "digest", "header", "view", "record", "op")
-
-    def __init__(self, key, sk, n, digest, header, view):
-        self.key = key
-        self.sk = sk
-        self.n = n
-        self.digest = digest
-        self.header = header
-        self.view = view
-        self.record = None
-        self.op: _Op | None = None
-
-
-class SsdTier:
+class SsdTier(GroupCommitWriter):
     """LMDB-backed block tier. See the module docstring for the guarantees."""
 
     def __init__(
@@ -694,110 +579,3 @@ class SsdTier:
                 self._remove_locked(sk)
                 self._enqueue(_Op("delete", sk))
         log.warning("ssd tier %s: dropped corrupt block %s", self.path, meta.key.block_hash)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                batch, touches, stop = self._next_batch()
-            if batch or touches:
-                self._commit(batch, touches)
-            if stop:
-                return
-
-    def _next_batch(self):
-        """Wait for work and the batching window; returns (ops, touch metas, stop)."""
-        while True:
-            if self._queue:
-                break
-            if self._stopping:
-                return [], self._take_touches(), True
-            timeout = None
-            if self._touched:
-                timeout = self._touch_interval - (time.monotonic() - self._last_touch_flush)
-                if timeout <= 0:
-                    return [], self._take_touches(), False
-            self._cond.wait(timeout)
-        # The window opens when the writer is free: puts queued during the previous
-        # commit still give the writers it just released a chance to join.
-        free_at = time.monotonic()
-        while not self._stopping:
-            if len(self._queue) >= self._max_ops or self._queue_bytes >= self._max_bytes:
-                break
-            if self._first_durable_at is not None and self._nobody_else_coming():
-                break  # waiting would only add latency
-            deadline = self._first_queued_at + self._lazy_window
-            if self._first_durable_at is not None:
-                opened = max(self._first_durable_at, free_at)
-                deadline = min(deadline, opened + self._group_window)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._cond.wait(remaining)
-        batch = self._queue
-        self._queue = []
-        self._queue_bytes = 0
-        self._first_durable_at = None
-        self._queued_writers.clear()
-        return batch, self._take_touches(), False
-
-    def _nobody_else_coming(self) -> bool:
-        """No put is being prepared and every recently active writer has queued."""
-        if self._preparing:
-            return False
-        horizon = time.monotonic() - _RECENT_WRITER_S
-        for writer, seen in list(self._recent_writers.items()):
-            if seen < horizon:
-                del self._recent_writers[writer]
-            elif writer not in self._queued_writers:
-                return False
-        return True
-
-    def _take_touches(self) -> list[tuple[bytes, bytes]]:
-        touches = []
-        for sk in self._touched:
-            meta = self._index.get(sk)
-            if meta is not None and sk not in self._pending:
-                touches.append((sk, meta.pack()))
-        self._touched.clear()
-        self._last_touch_flush = time.monotonic()
-        return touches
-
-    def _commit(self, batch: list[_Op], touches: list[tuple[bytes, bytes]]) -> None:
-        error: BaseException | None = None
-        written = 0
-        try:
-            with self._env.begin(write=True) as txn:
-                for op in batch:
-                    if op.kind == "put":
-                        txn.put(op.sk, op.record, db=self._blocks)
-                        txn.put(op.sk, op.meta.pack(), db=self._meta_db)
-                        written += op.nbytes
-                    elif op.kind == "delete":
-                        txn.delete(op.sk, db=self._blocks)
-                        txn.delete(op.sk, db=self._meta_db)
-                for sk, packed in touches:
-                    if txn.get(sk, db=self._meta_db) is not None:
-                        txn.put(sk, packed, db=self._meta_db)
-        except lmdb.MapFullError as exc:
-            error = CapacityExceeded(f"SSD tier LMDB map is full ({exc}); batch not stored")
-        except Exception as exc:  # an I/O error: fail the batch, keep the writer alive
-            error = exc
-        with self._cond:
-            if error is None:
-                self._commits += 1
-                self._bytes_written += written
-            else:
-                self._failed_commits += 1
-                log.error("ssd tier %s: commit of %d ops failed: %s", self.path, len(batch), error)
-            for op in batch:
-                if op.kind != "put":
-                    continue
-                if self._pending.get(op.sk) is op:
-                    del self._pending[op.sk]
-                    if error is not None and self._index.get(op.sk) is op.meta:
-                        self._remove_locked(op.sk)
-                op.record = None
-            self._cond.notify_all()
-        for op in batch:
-            op.error = error
-            op.done.set()

@@ -8,16 +8,16 @@ import time
 import grpc
 
 from quillcache.v1 import transfer_pb2_grpc
-from quillcache_core.metrics import MetricsRegistry
+from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, open_registry
-from quillcache_core.rpc import (
+from quillcache_core.rpc.server import (
     add_health_and_reflection,
     set_serving,
     start_metrics_app,
     start_server,
 )
 from quillcache_store.client import MAX_MESSAGE_BYTES
-from quillcache_store.ssd import tune_malloc_for_large_values
+from quillcache_store.ssd_records import tune_malloc_for_large_values
 from quillcache_transfer.config import TransferConfig
 from quillcache_transfer.mover import TransferStats
 from quillcache_transfer.servicer import SERVICE_NAME, TransferServicer

@@ -8,9 +8,9 @@ import logging
 from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
 from quillcache_core.errors import InvalidArgument, NotFound
 from quillcache_core.model import CacheTier
-from quillcache_core.proto_tiers import tier_from_proto
 from quillcache_core.registry import NodeRegistry
-from quillcache_core.rpc import stream_errors
+from quillcache_core.rpc.server import stream_errors
+from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_store import wire
 from quillcache_store.client import StoreClient
 from quillcache_store.links import record_data_address

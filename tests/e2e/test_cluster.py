@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.cluster import LocalCluster
-from quillcache_core.hashing import request_blocks
-from quillcache_core.tokenize import BuiltinTokenizer, render_chat
+from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
+from quillcache_core.launch.cluster import LocalCluster
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -322,7 +322,7 @@ def test_quillcache_up_writes_endpoints_and_stops_cleanly_on_sigterm(tmp_path):
         [
             sys.executable,
             "-m",
-            "quillcache_core.cli",
+            "quillcache_core.launch.cli",
             "up",
             "--endpoints-file",
             str(endpoints_file),

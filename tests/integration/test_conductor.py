@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.etcd_server import find_etcd_binary
-from quillcache_core.hashing import request_blocks
+from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.launch.etcd_server import find_etcd_binary
 from tests.support.etcdctl import etcdctl
 from tests.support.etcdctl import put_engine as support_put_engine
 from tests.support.services import ServiceProcess, wait_until
@@ -370,7 +370,7 @@ def test_unknown_policy_or_missing_lmdb_path_refuses_to_start(tmp_path):
         (["--index-backend", "lmdb"], "--index-path is required"),
     ):
         done = subprocess.run(
-            [sys.executable, "-m", "quillcache_core.cli", "conductor", *args],
+            [sys.executable, "-m", "quillcache_core.launch.cli", "conductor", *args],
             capture_output=True,
             text=True,
             timeout=30,

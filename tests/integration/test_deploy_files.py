@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quillcache_core.etcd_server import find_etcd_binary
+from quillcache_core.launch.etcd_server import find_etcd_binary
 from tests.support.procs import ProcessFailed
 from tests.support.services import ServiceProcess
 
@@ -88,7 +88,7 @@ def kustomize_command() -> list[str] | None:
 def flag_envs(command: str) -> frozenset[str]:
     """The QC_* variables `quillcache <command>` reads, from its --help."""
     out = subprocess.run(
-        [sys.executable, "-m", "quillcache_core.cli", command, "--help"],
+        [sys.executable, "-m", "quillcache_core.launch.cli", command, "--help"],
         capture_output=True,
         text=True,
         check=True,

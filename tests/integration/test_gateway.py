@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
-from quillcache_core.hashing import block_hashes, identity_digest
-from quillcache_core.plan_wire import pack_hashes
-from quillcache_core.tokenize import BuiltinTokenizer
+from quillcache_core.identity.hashing import block_hashes, identity_digest
+from quillcache_core.identity.tokenize import BuiltinTokenizer
+from quillcache_core.wire.plan import pack_hashes
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.server import Gateway
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
-from quillcache_core.plan_port import PlanPortClient
+from quillcache_core.rpc.plan_port import PlanPortClient
 from quillcache_gateway.conductor_calls import ConductorCalls
 from tests.integration.test_plan_stream import BS, ident, packed_request, put_engine
 from tests.support.services import ServiceProcess, wait_until

@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.hashing import request_blocks
-from quillcache_core.plan_client import PlanClient
-from quillcache_core.plan_wire import expand_runs, pack_hashes
+from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.rpc.plan_client import PlanClient
+from quillcache_core.wire.plan import expand_runs, pack_hashes
 from tests.support.etcdctl import put_engine as support_put_engine
 from tests.support.services import ServiceProcess, wait_until
 

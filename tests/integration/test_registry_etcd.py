@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from quillcache_core.errors import NodeUnavailable
-from quillcache_core.etcd_server import EtcdServer, find_etcd_binary, free_port
+from quillcache_core.launch.etcd_server import EtcdServer, find_etcd_binary, free_port
 from quillcache_core.registry import EtcdRegistry, NodeEvent, NodeRecord, node_key
 from tests.support.procs import ManagedProcess
 

@@ -19,19 +19,19 @@ import zmq
 import zmq.asyncio
 
 from quillcache_conductor.kv_translate import EngineEventTranslator
-from quillcache_conductor.kv_wire import (
+from quillcache_conductor.zmq_sub import EngineSubscriber
+from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
+from quillcache_core.index.memory import MemoryIndex
+from quillcache_core.kvevents.decode import decode_batch
+from quillcache_core.kvevents.events import (
     DecodedBatch,
     EngineAllCleared,
     EngineBlockRemoved,
     EngineBlockStored,
-    decode_batch,
 )
-from quillcache_conductor.zmq_sub import EngineSubscriber
-from quillcache_core.engine_plan import EnginePlan, FetchAction
-from quillcache_core.hashing import request_blocks
-from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.registry import EtcdRegistry
-from quillcache_core.tokenize import BuiltinTokenizer, render_chat
+from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_simengine.kvbytes import kv_payload
 from tests.support.services import ServiceProcess, wait_until
 

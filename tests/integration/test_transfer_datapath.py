@@ -12,7 +12,7 @@ import pytest
 
 from quillcache.v1 import store_pb2, store_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from quillcache_core.model import CacheTier
-from quillcache_core.proto_tiers import tier_to_proto
+from quillcache_core.wire.tiers import tier_to_proto
 from quillcache_store import dataproto, wire
 from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.client import StoreClient

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from quillcache_conductor.kv_translate import ApplyResult, EngineEventTranslator
-from quillcache_conductor.kv_wire import DecodedBatch
 from quillcache_conductor.zmq_sub import EngineSubscriber
-from quillcache_core.hashing import request_blocks
+from quillcache_core.identity.hashing import request_blocks
 from quillcache_core.index.memory import MemoryIndex
+from quillcache_core.kvevents.events import DecodedBatch
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 
-from quillcache_core.etcd_server import find_etcd_binary
+from quillcache_core.launch.etcd_server import find_etcd_binary
 
 
 def etcdctl(etcd, *args: str) -> str:

@@ -27,7 +27,7 @@ class ServiceProcess:
         self.name = name or service
         self.log_path = Path(log_dir) / f"{self.name}.log"
         self.proc = ManagedProcess(
-            [sys.executable, "-m", "quillcache_core.cli", service, *args],
+            [sys.executable, "-m", "quillcache_core.launch.cli", service, *args],
             log_path=self.log_path,
             name=self.name,
         )

@@ -10,7 +10,7 @@ import numpy as np
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_core.proto_tiers import tier_from_proto
+from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_store import wire
 from tests.support.services import ServiceProcess
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from quillcache_core.fleetsim.figures import check_goals, summarise
-from quillcache_core.fleetsim.sim import FleetConfig, FleetSim, HbmCache
-from quillcache_core.fleetsim.workloads import (
+from quillcache_bench.fleetsim.figures import check_goals, summarise
+from quillcache_bench.fleetsim.sim import FleetConfig, FleetSim, HbmCache
+from quillcache_bench.fleetsim.workloads import (
     MODEL_ID,
     TOKENIZER_ID,
     WORKLOAD_NAMES,
     SimRequest,
     make_workload,
 )
-from quillcache_core.hashing import request_blocks
+from quillcache_core.identity.hashing import request_blocks
 from quillcache_core.model import CacheTier, CostModel, RequestShape
-from quillcache_core.policies import POLICY_NAMES, make_policy
+from quillcache_core.routing.references import POLICY_NAMES, make_policy
 
 pytestmark = pytest.mark.unit
 
@@ -149,7 +149,7 @@ def test_workload_keys_are_request_blocks_of_the_prompt():
         tenant_id="t",
         cache_salt="t",
     )
-    from quillcache_core.fleetsim.workloads import _Chains
+    from quillcache_bench.fleetsim.workloads import _Chains
 
     chains = _Chains(16)
     built = chains.extend("t", chains.root("t", tokens[:20]), tokens[20:])

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillcache.v1 import common_pb2, conductor_pb2
-from quillcache_core.engine_plan import EnginePlan, FetchAction
-from quillcache_core.hashing import block_hashes, identity_digest, request_blocks
-from quillcache_core.metrics import MetricsRegistry
-from quillcache_core.plan_wire import pack_hashes
-from quillcache_core.tokenize import BuiltinTokenizer
+from quillcache_core.identity.hashing import block_hashes, identity_digest, request_blocks
+from quillcache_core.identity.tokenize import BuiltinTokenizer
+from quillcache_core.process.metrics import MetricsRegistry
+from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
+from quillcache_core.wire.plan import pack_hashes
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.server import Gateway, _Call, _Completion, upstream_body

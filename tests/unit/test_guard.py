@@ -1,7 +1,7 @@
 import pytest
 
-from quillcache_core.guard import audit_reuse
 from quillcache_core.model import CacheResidency, CacheTier
+from quillcache_core.routing.guard import audit_reuse
 from tests.unit.factories import make_request
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ from array import array
 import pytest
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.hashing import (
+from quillcache_core.identity.hashing import (
     block_hashes,
     identity_digest,
     packed_block_hashes,
@@ -51,7 +51,7 @@ def test_fields_cannot_run_into_each_other():
 
 def test_same_hash_in_another_process():
     code = (
-        "from quillcache_core.hashing import *;"
+        "from quillcache_core.identity.hashing import *;"
         "print(block_hashes(list(range(64)), 16, identity_digest('m','t',None,'acme'))[-1])"
     )
     other = subprocess.run(

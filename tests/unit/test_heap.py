@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from quillcache_core.heap import HeapSettler
+from quillcache_core.process.heap import HeapSettler
 
 pytestmark = pytest.mark.unit
 

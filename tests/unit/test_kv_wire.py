@@ -10,22 +10,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quillcache_conductor.kv_schema import _StoredArray, stored_columns
-from quillcache_conductor.kv_wire import (
-    BulkBatch,
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.kvevents.bulk import BulkBatch, engine_hash, engine_key
+from quillcache_core.kvevents.bulk_decode import _typed_bulk, decode_bulk
+from quillcache_core.kvevents.decode import decode_batch, normalize_hash
+from quillcache_core.kvevents.events import (
     DecodedBatch,
     EngineAllCleared,
     EngineBlockRemoved,
     EngineBlockStored,
     WireError,
-    _typed_bulk,
-    decode_batch,
-    decode_bulk,
-    engine_hash,
-    engine_key,
-    normalize_hash,
 )
-from quillcache_core.errors import InvalidArgument
+from quillcache_core.kvevents.schema import _StoredArray, stored_columns
 from quillcache_core.model import CacheTier
 from tests.support.vllm_publisher import (
     ENCODINGS,

@@ -10,17 +10,12 @@ from quillcache_conductor.state import ConductorState
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.index import MemoryIndex
 from quillcache_core.model import MIB, CacheResidency, CacheTier, CostModel
-from quillcache_core.plan_wire import pack_hashes, unpack_hashes
-from quillcache_core.planner import (
-    ActionKind,
-    ActionRuns,
-    CostPlanner,
-    Fleet,
-    action_runs,
-    actions_for_prefix,
-    block_runs,
-)
 from quillcache_core.registry import NodeRecord
+from quillcache_core.routing.actions import ActionKind, ActionRuns, action_runs
+from quillcache_core.routing.cost import actions_for_prefix
+from quillcache_core.routing.planner import CostPlanner, block_runs
+from quillcache_core.routing.policy import Fleet
+from quillcache_core.wire.plan import pack_hashes, unpack_hashes
 from tests.unit.factories import MODEL, TOKENIZER, engine, make_request
 
 pytestmark = pytest.mark.unit

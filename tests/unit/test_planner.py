@@ -7,7 +7,10 @@ from hypothesis import strategies as st
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
 from quillcache_core.model import MIB, CacheResidency, CacheTier, CostModel
-from quillcache_core.planner import ActionKind, CostPlanner, Fleet, source_cost
+from quillcache_core.routing.actions import ActionKind
+from quillcache_core.routing.cost import source_cost
+from quillcache_core.routing.planner import CostPlanner
+from quillcache_core.routing.policy import Fleet
 from tests.unit.factories import engine, make_request, resident, usable_from
 
 pytestmark = pytest.mark.unit

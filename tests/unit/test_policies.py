@@ -4,8 +4,9 @@ import pytest
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CacheTier, CostModel
-from quillcache_core.planner import ActionKind, Fleet
-from quillcache_core.policies import POLICY_NAMES, make_policy
+from quillcache_core.routing.actions import ActionKind
+from quillcache_core.routing.policy import Fleet
+from quillcache_core.routing.references import POLICY_NAMES, make_policy
 from tests.unit.factories import engine, make_request, resident, usable_from
 
 pytestmark = pytest.mark.unit

@@ -1,7 +1,7 @@
 import pytest
 
 from quillcache_conductor.config import ConductorConfig
-from quillcache_core.settings import load_settings
+from quillcache_core.process.settings import load_settings
 from quillcache_gateway.config import GatewayConfig
 
 pytestmark = pytest.mark.unit

@@ -11,18 +11,14 @@ import numpy as np
 import pytest
 
 from quillcache_conductor.kv_translate import EngineEventTranslator
-from quillcache_conductor.kv_wire import (
-    EngineAllCleared,
-    EngineBlockRemoved,
-    EngineBlockStored,
-    decode_batch,
-)
-from quillcache_core.engine_plan import EnginePlan, FetchAction
 from quillcache_core.errors import NotFound
-from quillcache_core.hashing import request_blocks
+from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
 from quillcache_core.index.memory import MemoryIndex
+from quillcache_core.kvevents.decode import decode_batch
+from quillcache_core.kvevents.events import EngineAllCleared, EngineBlockRemoved, EngineBlockStored
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_core.tokenize import BuiltinTokenizer, render_chat
+from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_simengine.engine import SimEngine
 from quillcache_simengine.events import KvEventPublisher
 from quillcache_simengine.kvbytes import kv_array, kv_payload, payload_bytes

@@ -2,7 +2,12 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.tokenize import BuiltinTokenizer, load_tokenizers, prompt_tokens, render_chat
+from quillcache_core.identity.tokenize import (
+    BuiltinTokenizer,
+    load_tokenizers,
+    prompt_tokens,
+    render_chat,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -1,0 +1,33 @@
+"""The benchmark and demo commands `quillcache` offers when this package is installed.
+
+Read by `quillcache_core.launch.cli` through the `quillcache.commands` entry-point
+group (pyproject.toml); each module is imported only when its command runs.
+"""
+
+# name -> (module with a `main(argv) -> int`, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench-store": (
+        "quillcache_bench.store",
+        "store and transfer throughput against raw TCP, bare gRPC and fsync'd writes",
+    ),
+    "bench-conductor": (
+        "quillcache_bench.conductor",
+        "Plan over gRPC (latency, plans/s) and KV-event ingest, in-process and over ZMQ",
+    ),
+    "bench-gateway": (
+        "quillcache_bench.gateway",
+        "latency the gateway adds over calling an engine directly (p50/p99)",
+    ),
+    "demo": (
+        "quillcache_bench.demo",
+        "start a real etcd, register a small fleet, plan requests with every policy",
+    ),
+    "bench-planner": (
+        "quillcache_bench.planner",
+        "planner latency per policy and index put/locate rates at 1M resident blocks",
+    ),
+    "bench": (
+        "quillcache_bench.fleetsim.command",
+        "our planner vs Dynamo, llm-d, SGLang, round robin, least-loaded on a simulated fleet",
+    ),
+}

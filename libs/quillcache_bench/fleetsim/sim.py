@@ -1,0 +1,597 @@
+"""A discrete-event simulation of a fleet of engines and store nodes under one router.
+
+Virtual clock in microseconds; deterministic for a workload, arrival times and seed.
+Pure: no sockets, no disk; the only clock read is `plan_clock`, which times the
+routing decision itself (a reported figure, never fed back into the simulation).
+
+The router is exactly the conductor's: `routing.plan_request` over a `MemoryIndex`
+with live `WorkerState` load, reserved at plan time (in-flight request and running
+decode +1, prefill tokens the plan leaves to compute, the request's blocks), prefill
+tokens released at the first token, the rest at completion.
+
+Each engine:
+
+- **HBM**: a block budget. Blocks of running requests are pinned (reference counted);
+  unpinned cached blocks wait in LRU order and are evicted from the front, a finished
+  request's blocks freed tail first (vLLM's free-block queue). An evicted block is
+  offloaded to the engine's store node.
+- **Prefill**: one at a time in arrival order. At its start the engine executes the
+  plan: blocks in HBM now are hits (also where the plan said otherwise, as vLLM's own
+  prefix cache would find them); a FETCH block is loaded if its source node holds it
+  now (on any tier; priced by the CostModel for that tier, plus the cross-domain
+  penalty); the first block that is neither (a stale LOCAL_HIT or FETCH, or a
+  RECOMPUTE) ends the reused prefix, and it and every later token are recomputed.
+  Prefill time = fetch time + hits x hbm_hit_us + recomputed tokens x
+  prefill_us_per_token. At its end (the first token) the request's blocks become
+  resident and pinned, and the index learns of every residency change at once, as
+  from KV events.
+- **Decode**: concurrent. Every running decode emits a token every
+  decode_us_per_token + s x (other running decodes) µs, with s =
+  running_decode_penalty_us / decode_slowdown_divisor (the cost model charges the
+  penalty once per request; the divisor spreads it over a nominal answer length).
+
+Each store node has a DRAM tier and an SSD tier, each a byte budget with LRU: DRAM
+evictions are written to SSD, SSD evictions are dropped. A fetch refreshes the block's
+place in its tier's LRU.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from quillcache_bench.fleetsim.workloads import SimRequest
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.index import MemoryIndex
+from quillcache_core.model import MIB, CacheResidency, CacheTier, CostModel, WorkerState
+from quillcache_core.routing.actions import ActionKind, BlockAction
+from quillcache_core.routing.decide import plan_request, record_optimistic
+from quillcache_core.routing.policy import Fleet, Policy
+
+GIB = 1024 * MIB
+MAX_ENGINES = 256
+MAX_STORES = 32
+
+_HBM = CacheTier.HBM
+_DRAM = CacheTier.CPU_DRAM
+_SSD = CacheTier.LOCAL_SSD
+_LOCAL_HIT = ActionKind.LOCAL_HIT
+_FETCH = ActionKind.FETCH
+_EPS_TOKENS = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """The simulated fleet. Engine i uses store node i % stores; store j is in domain j % domains."""
+
+    engines: int = 16
+    stores: int = 4
+    domains: int = 2
+    hbm_blocks: int = 4096
+    dram_bytes: int = 32 * GIB
+    ssd_bytes: int = 128 * GIB
+    decode_slowdown_divisor: float = 100.0
+    cost_model: CostModel = field(default_factory=CostModel)
+
+    def validate(self) -> None:
+        """Raise InvalidArgument naming the offending setting."""
+        if not 1 <= self.engines <= MAX_ENGINES:
+            raise InvalidArgument(f"--engines must be in [1, {MAX_ENGINES}], got {self.engines}")
+        if not 1 <= self.stores <= MAX_STORES:
+            raise InvalidArgument(f"--stores must be in [1, {MAX_STORES}], got {self.stores}")
+        if self.stores > self.engines:
+            raise InvalidArgument(
+                f"--stores ({self.stores}) must not exceed --engines ({self.engines}): "
+                "engines share store nodes"
+            )
+        if not 1 <= self.domains <= self.stores:
+            raise InvalidArgument(f"--domains must be in [1, --stores], got {self.domains}")
+        if self.hbm_blocks <= 0:
+            raise InvalidArgument(f"--hbm-blocks must be positive, got {self.hbm_blocks}")
+        if self.dram_bytes < 0 or self.ssd_bytes < 0:
+            raise InvalidArgument("store tier budgets must be >= 0")
+        if self.decode_slowdown_divisor <= 0:
+            raise InvalidArgument("--decode-slowdown-divisor must be positive")
+
+
+class HbmCache:
+    """An engine's cached blocks: reference counts, and the unpinned ones in LRU order."""
+
+    __slots__ = ("capacity", "refs", "free", "pinned", "overcommits")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self.refs: dict[str, int] = {}  # block hash -> running requests using it
+        self.free: OrderedDict[str, object] = OrderedDict()  # refs == 0, LRU first
+        self.pinned = 0
+        self.overcommits = 0
+
+    def __contains__(self, block_hash: str) -> bool:
+        return block_hash in self.refs
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def admit(self, keys: Sequence) -> tuple[list, list]:
+        """Pin `keys` (inserting missing ones); evict LRU unpinned blocks over capacity.
+
+        Returns (inserted keys, evicted keys). When every block is pinned the cache
+        runs over capacity (counted in `overcommits`) rather than fail a request.
+        """
+        refs, free = self.refs, self.free
+        inserted = []
+        for key in keys:
+            h = key.block_hash
+            r = refs.get(h)
+            if r is None:
+                refs[h] = 1
+                self.pinned += 1
+                inserted.append(key)
+            else:
+                if r == 0:
+                    del free[h]
+                    self.pinned += 1
+                refs[h] = r + 1
+        evicted = []
+        while len(refs) > self.capacity and free:
+            h, key = free.popitem(last=False)
+            del refs[h]
+            evicted.append(key)
+        if len(refs) > self.capacity:
+            self.overcommits += 1
+        return inserted, evicted
+
+    def release(self, keys: Sequence) -> list:
+        """Unpin `keys`; freed blocks join the LRU tail last block first (evicted first).
+
+        Returns the blocks evicted because the cache had run over capacity.
+        """
+        refs, free = self.refs, self.free
+        for key in reversed(keys):
+            h = key.block_hash
+            r = refs[h] - 1
+            refs[h] = r
+            if r == 0:
+                free[h] = key
+                self.pinned -= 1
+        evicted = []
+        while len(refs) > self.capacity and free:
+            h, key = free.popitem(last=False)
+            del refs[h]
+            evicted.append(key)
+        return evicted
+
+
+class StoreNode:
+    """A store node's DRAM and SSD tiers (block budgets, LRU); reports changes to the index."""
+
+    __slots__ = ("id", "domain", "dram", "ssd", "dram_blocks", "ssd_blocks", "index", "nbytes")
+
+    def __init__(
+        self, node_id: str, domain: str, dram_blocks: int, ssd_blocks: int, index, nbytes: int
+    ) -> None:
+        self.id = node_id
+        self.domain = domain
+        self.dram: OrderedDict[str, object] = OrderedDict()
+        self.ssd: OrderedDict[str, object] = OrderedDict()
+        self.dram_blocks = dram_blocks
+        self.ssd_blocks = ssd_blocks
+        self.index = index
+        self.nbytes = nbytes
+
+    def tier_of(self, block_hash: str) -> CacheTier | None:
+        if block_hash in self.dram:
+            return _DRAM
+        if block_hash in self.ssd:
+            return _SSD
+        return None
+
+    def touch(self, block_hash: str) -> None:
+        if block_hash in self.dram:
+            self.dram.move_to_end(block_hash)
+        elif block_hash in self.ssd:
+            self.ssd.move_to_end(block_hash)
+
+    def offload(self, key) -> None:
+        """Write an evicted HBM block to DRAM, demoting DRAM's coldest to SSD."""
+        h = key.block_hash
+        dram = self.dram
+        if h in dram:
+            dram.move_to_end(h)
+            return
+        dram[h] = key
+        self.index.put(CacheResidency(key, self.id, _DRAM, self.nbytes))
+        while len(dram) > self.dram_blocks:
+            old_h, old = dram.popitem(last=False)
+            self.index.remove_tier(self.id, old_h, _DRAM)
+            self._to_ssd(old_h, old)
+
+    def _to_ssd(self, h: str, key) -> None:
+        ssd = self.ssd
+        if h in ssd:
+            ssd.move_to_end(h)
+            return
+        ssd[h] = key
+        self.index.put(CacheResidency(key, self.id, _SSD, self.nbytes))
+        while len(ssd) > self.ssd_blocks:
+            old_h, _ = ssd.popitem(last=False)
+            self.index.remove_tier(self.id, old_h, _SSD)
+
+
+class _Engine:
+    __slots__ = (
+        "n",
+        "state",
+        "store",
+        "hbm",
+        "queue",
+        "busy",
+        "decode_heap",
+        "v",
+        "v_t",
+        "version",
+        "load_area",
+        "load_t",
+        "served",
+    )
+
+    def __init__(self, n: int, state: WorkerState, store: StoreNode, hbm: HbmCache) -> None:
+        self.n = n
+        self.state = state
+        self.store = store
+        self.hbm = hbm
+        self.queue: list[int] = []  # waiting for prefill, FIFO (head at queue_head)
+        self.busy = False
+        self.decode_heap: list[tuple[float, int]] = []  # (target virtual tokens, request)
+        self.v = 0.0  # tokens each running decode has emitted since the start (virtual)
+        self.v_t = 0.0
+        self.version = 0
+        self.load_area = 0.0  # integral of in-flight requests over time (request-µs)
+        self.load_t = 0.0
+        self.served = 0
+
+
+@dataclass
+class RunResult:
+    """Everything one run measured; per-request arrays are in workload order."""
+
+    policy: str
+    engines: int
+    arrival_us: np.ndarray
+    first_token_us: np.ndarray
+    done_us: np.ndarray
+    engine_of: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    hit_tokens: np.ndarray
+    fetch_tokens: np.ndarray
+    recompute_tokens: np.ndarray
+    planned_hit_blocks: np.ndarray
+    planned_fetch_blocks: np.ndarray
+    est_ttft_us: np.ndarray  # our cost function's TTFT estimate for the chosen engine
+    plan_s: np.ndarray
+    load_avg: np.ndarray  # per engine: time-averaged in-flight requests
+    served: np.ndarray  # per engine: requests completed
+    completed: int
+    stale_hits: int
+    stale_fetches: int
+    unplanned_hits: int
+    fetch_us_total: float
+    overcommits: int
+    leftover_load: dict[str, int]
+
+
+class FleetSim:
+    """One run: a workload's requests through a fleet under one policy."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        policy: Policy,
+        requests: Sequence[SimRequest],
+        arrivals_us: Sequence[float],
+        *,
+        seed: int = 0,
+        plan_clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        config.validate()
+        if len(requests) != len(arrivals_us):
+            raise InvalidArgument("one arrival time per request is needed")
+        if not requests:
+            raise InvalidArgument("a run needs at least one request")
+        longest = max(len(r.shape.blocks) for r in requests)
+        if longest > config.hbm_blocks:
+            raise InvalidArgument(
+                f"a prompt of {longest} blocks does not fit --hbm-blocks {config.hbm_blocks}"
+            )
+        self.config = config
+        self.policy = policy
+        self.requests = requests
+        self.arrivals = list(arrivals_us)
+        self.rng = random.Random(seed)
+        self.plan_clock = plan_clock
+        self.cm = config.cost_model
+        self.nbytes = requests[0].shape.block_bytes
+        self.index = MemoryIndex()
+        mb = max(1, -(-self.nbytes // MIB))
+        self._fetch_base_us = {t: self.cm.tier_us_per_mb(t) * mb for t in (_DRAM, _SSD)}
+        self.stores: dict[str, StoreNode] = {}
+        for j in range(config.stores):
+            node_id = f"s{j:02d}"
+            self.stores[node_id] = StoreNode(
+                node_id,
+                f"domain-{j % config.domains}",
+                config.dram_bytes // self.nbytes,
+                config.ssd_bytes // self.nbytes,
+                self.index,
+                self.nbytes,
+            )
+        store_list = list(self.stores.values())
+        self.engines: list[_Engine] = []
+        for i in range(config.engines):
+            store = store_list[i % config.stores]
+            state = WorkerState(
+                id=f"e{i:03d}",
+                locality_domain=store.domain,
+                hbm_capacity_bytes=config.hbm_blocks * self.nbytes,
+                store_node_id=store.id,
+            )
+            self.engines.append(_Engine(i, state, store, HbmCache(config.hbm_blocks)))
+        self.engine_by_id = {e.state.id: e for e in self.engines}
+        self.fleet = Fleet([e.state for e in self.engines], {s.id: s.domain for s in store_list})
+        self.decode_slowdown_us = self.cm.running_decode_penalty_us / config.decode_slowdown_divisor
+
+        n = len(requests)
+        self._events: list[tuple] = []
+        self._order = 0
+        self._actions: list[list[BlockAction] | None] = [None] * n
+        self._reserved = [0] * n
+        self._queue_head = [0] * config.engines
+        self.arrival_us = np.asarray(self.arrivals, dtype=np.float64)
+        self.first_token_us = np.full(n, np.nan)
+        self.done_us = np.full(n, np.nan)
+        self.engine_of = np.full(n, -1, dtype=np.int64)
+        self.hit_tokens = np.zeros(n, dtype=np.int64)
+        self.fetch_tokens = np.zeros(n, dtype=np.int64)
+        self.recompute_tokens = np.zeros(n, dtype=np.int64)
+        self.planned_hit = np.zeros(n, dtype=np.int64)
+        self.planned_fetch = np.zeros(n, dtype=np.int64)
+        self.est_ttft_us = np.zeros(n)
+        self.plan_s = np.zeros(n)
+        self.completed = 0
+        self.stale_hits = 0
+        self.stale_fetches = 0
+        self.unplanned_hits = 0
+        self.fetch_us_total = 0.0
+
+    # --- the event loop ---------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        arrivals = self.arrivals
+        events = self._events
+        n = len(arrivals)
+        nxt = 0
+        while nxt < n or events:
+            if nxt < n and (not events or arrivals[nxt] <= events[0][0]):
+                self._arrive(nxt, arrivals[nxt])
+                nxt += 1
+                continue
+            now, _, kind, a, b = heapq.heappop(events)
+            if kind == 0:
+                self._prefill_done(self.engines[a], b, now)
+            elif self.engines[a].version == b:
+                self._decode_tick(self.engines[a], now)
+        return self._result()
+
+    def _push(self, t: float, kind: int, a: int, b: int) -> None:
+        self._order += 1
+        heapq.heappush(self._events, (t, self._order, kind, a, b))
+
+    # --- routing ------------------------------------------------------------------------
+
+    def _arrive(self, i: int, now: float) -> None:
+        shape = self.requests[i].shape
+        start = self.plan_clock()
+        decision = plan_request(self.index, self.policy, shape, self.fleet, self.rng)
+        self.plan_s[i] = self.plan_clock() - start
+        if self.policy.optimistic_residency:
+            # As the conductor does; the engine's eviction events correct it later.
+            record_optimistic(self.index, decision, shape, self.nbytes)
+        eng = self.engine_by_id[decision.engine.id]
+        state = eng.state
+        prefill = decision.recompute_tokens(shape)
+        self._load_mark(eng, now)
+        state.inflight_requests += 1
+        state.running_decodes += 1
+        state.queued_prefill_tokens += prefill
+        state.inflight_blocks += len(shape.blocks)
+        self._reserved[i] = prefill
+        self._actions[i] = decision.actions
+        self.engine_of[i] = eng.n
+        self.planned_hit[i] = decision.count(_LOCAL_HIT)
+        self.planned_fetch[i] = decision.count(_FETCH)
+        self.est_ttft_us[i] = decision.chosen.est_ttft_us
+        eng.queue.append(i)
+        if not eng.busy:
+            self._start_prefill(eng, now)
+
+    # --- prefill ------------------------------------------------------------------------
+
+    def _start_prefill(self, eng: _Engine, now: float) -> None:
+        head = self._queue_head[eng.n]
+        i = eng.queue[head]
+        self._queue_head[eng.n] = head + 1
+        if head + 1 > 1024:
+            del eng.queue[: head + 1]
+            self._queue_head[eng.n] = 0
+        eng.busy = True
+        self._push(now + self._execute(eng, i), 0, eng.n, i)
+
+    def _execute(self, eng: _Engine, i: int) -> float:
+        """Run request i's plan against the fleet as it is now; returns the prefill µs."""
+        request = self.requests[i]
+        actions = self._actions[i]
+        self._actions[i] = None
+        hbm = eng.hbm.refs
+        cm = self.cm
+        hit_tokens = fetch_tokens = hits = 0
+        fetch_us = 0.0
+        for action, key in zip(actions, request.shape.blocks, strict=True):
+            h = key.block_hash
+            if h in hbm:
+                hits += 1
+                hit_tokens += key.token_count
+                if action.kind is not _LOCAL_HIT:
+                    self.unplanned_hits += 1
+                continue
+            kind = action.kind
+            if kind is _FETCH:
+                node = self.stores.get(action.source_node)
+                tier = node.tier_of(h) if node is not None else None
+                if tier is not None:
+                    cost = self._fetch_base_us[tier]
+                    if node is not eng.store and node.domain != eng.store.domain:
+                        cost += cm.cross_domain_penalty_us
+                    fetch_us += cost
+                    node.touch(h)
+                    fetch_tokens += key.token_count
+                    continue
+                self.stale_fetches += 1
+            elif kind is _LOCAL_HIT:
+                self.stale_hits += 1
+            break
+        recompute = request.prompt_tokens - hit_tokens - fetch_tokens
+        self.hit_tokens[i] = hit_tokens
+        self.fetch_tokens[i] = fetch_tokens
+        self.recompute_tokens[i] = recompute
+        self.fetch_us_total += fetch_us
+        return recompute * cm.prefill_us_per_token + fetch_us + hits * cm.hbm_hit_us
+
+    def _prefill_done(self, eng: _Engine, i: int, now: float) -> None:
+        self.first_token_us[i] = now
+        state = eng.state
+        state.queued_prefill_tokens -= self._reserved[i]
+        blocks = self.requests[i].shape.blocks
+        inserted, evicted = eng.hbm.admit(blocks)
+        index, nbytes, me = self.index, self.nbytes, state.id
+        for key in inserted:
+            index.put(CacheResidency(key, me, _HBM, nbytes))
+        self._evicted(eng, evicted)
+        state.resident_blocks = len(eng.hbm)
+        state.hbm_used_bytes = eng.hbm.pinned * nbytes
+        remaining = self.requests[i].output_tokens - 1
+        if remaining <= 0:
+            self._complete(eng, i, now)
+        else:
+            self._decode_advance(eng, now)
+            heapq.heappush(eng.decode_heap, (eng.v + remaining, i))
+            self._decode_reschedule(eng, now)
+        if self._queue_head[eng.n] < len(eng.queue):
+            self._start_prefill(eng, now)
+        else:
+            eng.busy = False
+
+    # --- decode (all running decodes advance together) -----------------------------------
+
+    def _token_us(self, running: int) -> float:
+        return self.cm.decode_us_per_token + self.decode_slowdown_us * (running - 1)
+
+    def _decode_advance(self, eng: _Engine, now: float) -> None:
+        running = len(eng.decode_heap)
+        if running:
+            eng.v += (now - eng.v_t) / self._token_us(running)
+        eng.v_t = now
+
+    def _decode_reschedule(self, eng: _Engine, now: float) -> None:
+        eng.version += 1
+        heap = eng.decode_heap
+        if heap:
+            wait = max(0.0, heap[0][0] - eng.v) * self._token_us(len(heap))
+            self._push(now + wait, 1, eng.n, eng.version)
+
+    def _decode_tick(self, eng: _Engine, now: float) -> None:
+        self._decode_advance(eng, now)
+        heap = eng.decode_heap
+        while heap and heap[0][0] <= eng.v + _EPS_TOKENS:
+            _, i = heapq.heappop(heap)
+            self._complete(eng, i, now)
+        self._decode_reschedule(eng, now)
+
+    def _complete(self, eng: _Engine, i: int, now: float) -> None:
+        if not np.isnan(self.done_us[i]):
+            raise RuntimeError(f"request {i} completed twice")
+        self.done_us[i] = now
+        self.completed += 1
+        eng.served += 1
+        blocks = self.requests[i].shape.blocks
+        self._evicted(eng, eng.hbm.release(blocks))
+        state = eng.state
+        self._load_mark(eng, now)
+        state.inflight_requests -= 1
+        state.running_decodes -= 1
+        state.inflight_blocks -= len(blocks)
+        state.hbm_used_bytes = eng.hbm.pinned * self.nbytes
+        state.resident_blocks = len(eng.hbm)
+
+    def _evicted(self, eng: _Engine, keys: list) -> None:
+        """Tell the index the engine dropped `keys` and offload them to its store node."""
+        me = eng.state.id
+        for key in keys:
+            self.index.remove_tier(me, key.block_hash, _HBM)
+            eng.store.offload(key)
+
+    def _load_mark(self, eng: _Engine, now: float) -> None:
+        eng.load_area += eng.state.inflight_requests * (now - eng.load_t)
+        eng.load_t = now
+
+    # --- results ------------------------------------------------------------------------
+
+    def _result(self) -> RunResult:
+        start = float(self.arrival_us.min())
+        end = float(np.nanmax(self.done_us)) if self.completed else start
+        span = max(end - start, 1e-9)
+        for eng in self.engines:
+            self._load_mark(eng, end)
+        # Areas count from t=0; nothing is in flight before the first arrival.
+        load_avg = np.array([e.load_area / span for e in self.engines])
+        states = [e.state for e in self.engines]
+        leftover = {
+            "inflight_requests": sum(s.inflight_requests for s in states),
+            "running_decodes": sum(s.running_decodes for s in states),
+            "queued_prefill_tokens": sum(s.queued_prefill_tokens for s in states),
+            "inflight_blocks": sum(s.inflight_blocks for s in states),
+            "hbm_used_bytes": sum(s.hbm_used_bytes for s in states),
+            "pinned_blocks": sum(e.hbm.pinned for e in self.engines),
+        }
+        return RunResult(
+            policy=self.policy.name,
+            engines=len(self.engines),
+            arrival_us=self.arrival_us,
+            first_token_us=self.first_token_us,
+            done_us=self.done_us,
+            engine_of=self.engine_of,
+            prompt_tokens=np.array([r.prompt_tokens for r in self.requests], dtype=np.int64),
+            output_tokens=np.array([r.output_tokens for r in self.requests], dtype=np.int64),
+            hit_tokens=self.hit_tokens,
+            fetch_tokens=self.fetch_tokens,
+            recompute_tokens=self.recompute_tokens,
+            planned_hit_blocks=self.planned_hit,
+            planned_fetch_blocks=self.planned_fetch,
+            est_ttft_us=self.est_ttft_us,
+            plan_s=self.plan_s,
+            load_avg=load_avg,
+            served=np.array([e.served for e in self.engines], dtype=np.int64),
+            completed=self.completed,
+            stale_hits=self.stale_hits,
+            stale_fetches=self.stale_fetches,
+            unplanned_hits=self.unplanned_hits,
+            fetch_us_total=self.fetch_us_total,
+            overcommits=sum(e.hbm.overcommits for e in self.engines),
+            leftover_load=leftover,
+        )

@@ -1,0 +1,1 @@
+"""Starting QuillCache: the `quillcache` command, the local cluster (`quillcache up`) and the etcd launcher."""

