@@ -41,7 +41,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_bench.common import Progress, percentiles_us, render_table, write_results
 from quillcache_conductor.kv_translate import EngineEventTranslator
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index import MemoryIndex
 from quillcache_core.kvevents.bulk_decode import decode_bulk
 from quillcache_core.launch.etcd_server import EtcdServer, free_port

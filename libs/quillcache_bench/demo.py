@@ -18,7 +18,7 @@ import random
 import time
 
 from quillcache_bench.common import render_table
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index import MemoryIndex
 from quillcache_core.launch.etcd_server import EtcdServer
 from quillcache_core.model import (

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from quillcache_bench.common import Progress, percentiles_us, render_table, write_results
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index import LmdbIndex, MemoryIndex
 from quillcache_core.model import (
     MIB,

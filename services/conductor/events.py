@@ -72,15 +72,18 @@ class EventRouter:
     def translator(
         self, engine_id: str, model_id: str = "", tokenizer_id: str = ""
     ) -> EngineEventTranslator:
-        """The engine's translator; its identity comes from its registry record."""
+        """The engine's translator; its identity comes from its registry record.
+
+        A record (or batch identity) with no tokenizer means the model's own, as in
+        `identity.keys.block_identity`."""
         current = self.translators.get(engine_id)
         info = self.state.engines.get(engine_id)
         model = (info.record.model if info else None) or model_id
-        tokenizer = (info.record.tokenizer if info else None) or tokenizer_id
-        if not model or not tokenizer:
+        tokenizer = (info.record.tokenizer if info else None) or tokenizer_id or model
+        if not model:
             raise InvalidArgument(
-                f"engine {engine_id!r} has no model/tokenizer: register it with both, "
-                "or send them in the batch identity"
+                f"engine {engine_id!r} has no model: register it with one, "
+                "or send it in the batch identity"
             )
         if current is not None and (current.model_id, current.tokenizer_id) == (model, tokenizer):
             return current

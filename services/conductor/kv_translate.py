@@ -2,14 +2,11 @@
 
 An engine's block hashes are opaque to us (vLLM seeds them per deployment), so the
 translator re-hashes the reported token ids with QuillCache's own chained hashing,
-under the identity the gateway uses for the same request:
-
-- a salted block (cache salt S, LoRA L or none): tenant S, adapter L, cache salt S;
-- an unsalted block: tenant `default_tenant`, adapter L, no cache salt.
-
-The gateway hashes a tenant T's prompt with `request_blocks(..., adapter_id=None,
-tenant_id=T, cache_salt=T)` and sends `cache_salt=T` to the engine, so both sides
-arrive at the same hashes for the same tokens.
+under `identity.keys.block_identity(model, tokenizer, cache_salt=S, adapter_id=L)`:
+the model and tokenizer of the engine's registry record, the block's cache salt S and
+LoRA L. The gateway calls the same function with the same record's model and
+tokenizer and the salt it sends the engine, so both sides arrive at the same hashes
+for the same tokens.
 
 A block with a parent inherits the parent's identity and continues its chain: the
 translator keeps, per engine, engine hash -> our KvBlockKey for every block the engine
@@ -35,7 +32,8 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
-from quillcache_core.identity.hashing import ROOT_PARENT, identity_digest, packed_block_hashes
+from quillcache_core.identity.hashing import ROOT_PARENT, packed_block_hashes
+from quillcache_core.identity.keys import block_identity
 from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.kvevents.bulk import (
     OP_CLEARED,
@@ -120,15 +118,14 @@ class EngineEventTranslator:
         model_id: str,
         tokenizer_id: str,
         *,
-        default_tenant: str = "default",
         bytes_per_block: int = 2 * MIB,
         max_tracked: int = DEFAULT_MAX_TRACKED,
     ) -> None:
         self.index = index
         self.engine_id = engine_id
         self.model_id = model_id
-        self.tokenizer_id = tokenizer_id
-        self.default_tenant = default_tenant
+        # The identity's tokenizer: the record's, or the model's own when it names none.
+        self.tokenizer_id = block_identity(model_id, tokenizer_id).tokenizer_id
         self.bytes_per_block = bytes_per_block
         self.max_tracked = max_tracked
         self.stats = TranslatorStats()
@@ -167,11 +164,10 @@ class EngineEventTranslator:
         """The identity of a root block with this LoRA and salt (cached)."""
         ident = self._identities.get((lora_name, cache_salt))
         if ident is None:
-            tenant = cache_salt if cache_salt is not None else self.default_tenant
-            digest = identity_digest(
-                self.model_id, self.tokenizer_id, lora_name, tenant, cache_salt
+            found = block_identity(
+                self.model_id, self.tokenizer_id, cache_salt=cache_salt, adapter_id=lora_name
             )
-            ident = (lora_name, tenant, cache_salt, digest)
+            ident = (found.adapter_id, found.tenant_id, found.cache_salt, found.digest)
             if len(self._identities) < 65_536:
                 self._identities[(lora_name, cache_salt)] = ident
         return ident

@@ -388,6 +388,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     resident_blocks=state.index.worker_block_count(info.state.id),
                     store_node=info.state.store_node_id or "",
                     model=info.record.model or "",
+                    tokenizer=info.record.tokenizer or "",
                 )
                 for info in sorted(state.engines.values(), key=lambda i: i.state.id)
             ],

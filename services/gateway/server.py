@@ -1,7 +1,9 @@
 """The OpenAI-compatible gateway: hash, plan, proxy the engine's stream, finish, observe.
 
-The path of a request is kept short: the tenant's identity digest and proto are
-computed once per (tenant, model, tokenizer); the prompt is hashed straight to block
+The path of a request is kept short: the tenant's block identity (the engine record's
+model and tokenizer, the tenant's cache salt: `identity.keys.block_identity`, the
+function the conductor reads engines' KV events with) and its protos are computed once
+per (tenant, model, tokenizer); the prompt is hashed straight to block
 hashes; the client's body is forwarded as it came with the cache salt and the plan
 spliced in (re-encoded only when the client sent either field itself); Plan and
 Finish share one PlanStream; engines are called over pooled keep-alive connections
@@ -25,7 +27,7 @@ from aiohttp import web
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
-from quillcache_core.identity.hashing import block_hashes, identity_digest
+from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.identity.tokenize import (
     BuiltinTokenizer,
     Tokenizer,
@@ -59,12 +61,17 @@ MODELS_TTL_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class _Completion:
-    """A validated completion request: its body (raw and parsed), model, tokenizer, tokens."""
+    """A validated completion request: its body (raw and parsed), model, tokenizer, tokens.
+
+    `tokenizer_id` is the tokenizer the serving engines' registry record names ("" =
+    the model's own): the identity's, whatever local files `tokenizer` was loaded from.
+    """
 
     raw: bytes
     payload: dict
     model: str
     tokenizer: Tokenizer
+    tokenizer_id: str
     tokens: list[int]
     max_tokens: int
     stream: bool
@@ -77,9 +84,7 @@ class _Identity:
     The proto messages are shared: never mutate them (assigning one to a field copies it).
     """
 
-    tenant: str
-    salt: str
-    digest: bytes
+    identity: BlockIdentity
     plan_identity: common_pb2.Identity
     finish_identity: common_pb2.Identity
     salt_json: bytes
@@ -150,7 +155,8 @@ class Gateway:
         self._upstream: UpstreamPool | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
-        self._models: tuple[float, dict[str, bool]] = (-MODELS_TTL_S, {})
+        # model -> the tokenizer its engines' records name ("" = the model's own)
+        self._models: tuple[float, dict[str, str]] = (-MODELS_TTL_S, {})
         self._models_refresh: asyncio.Task | None = None
         self._identities: dict[tuple[str, str, str], _Identity] = {}
         # Request ids: 24 hex digits, a random per-process half and a counter.
@@ -248,11 +254,11 @@ class Gateway:
         ]
         return web.json_response({"object": "list", "data": data})
 
-    async def _served_models(self) -> dict[str, bool]:
+    async def _served_models(self) -> dict[str, str]:
         """Models the live engines serve ("" present = some engine serves any model).
 
         Fetched from the conductor at most once a second, and waited for only when the
-        last answer is older than that: `_serves` refreshes in the background instead.
+        last answer is older than that: `_served_tokenizer` refreshes in the background instead.
         """
         fetched_at, models = self._models
         if time.monotonic() - fetched_at < MODELS_TTL_S:
@@ -261,7 +267,7 @@ class Gateway:
             self._models_refresh = asyncio.get_running_loop().create_task(self._fetch_models())
         return await asyncio.shield(self._models_refresh)
 
-    async def _fetch_models(self) -> dict[str, bool]:
+    async def _fetch_models(self) -> dict[str, str]:
         try:
             stats = await self._stats.Stats(
                 conductor_pb2.StatsRequest(), timeout=self.config.plan_timeout_s
@@ -270,12 +276,15 @@ class Gateway:
             raise ApiError(
                 503, f"conductor unavailable: {exc.details()}", type_="service_unavailable"
             ) from None
-        models = {e.model: True for e in stats.engines}
+        models: dict[str, str] = {}
+        for engine in stats.engines:  # the first engine's record names the model's tokenizer
+            models.setdefault(engine.model, engine.tokenizer)
         self._models = (time.monotonic(), models)
         return models
 
-    async def _serves(self, model: str) -> bool:
-        """Whether an engine serves `model`; a known model does not wait for a refresh."""
+    async def _served_tokenizer(self, model: str) -> str | None:
+        """The tokenizer id the records of `model`'s engines name ("" = the model's own),
+        None when no engine serves it; a known model does not wait for a refresh."""
         fetched_at, models = self._models
         if model in models or "" in models:
             if time.monotonic() - fetched_at >= MODELS_TTL_S and (
@@ -284,9 +293,9 @@ class Gateway:
                 task = asyncio.get_running_loop().create_task(self._fetch_models())
                 task.add_done_callback(_ignore_result)
                 self._models_refresh = task
-            return True
+            return models.get(model, models.get(""))
         served = await self._served_models()
-        return model in served or "" in served
+        return served.get(model, served.get(""))
 
     # --- completions ------------------------------------------------------------------------
 
@@ -350,7 +359,8 @@ class Gateway:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' must be a non-empty string", param="model")
-        if not await self._serves(model):
+        tokenizer_id = await self._served_tokenizer(model)
+        if tokenizer_id is None:
             raise ApiError(
                 404,
                 f"The model '{model}' does not exist or no engine serves it.",
@@ -385,6 +395,7 @@ class Gateway:
             payload,
             model,
             tokenizer,
+            tokenizer_id,
             tokens,
             max_tokens or self.config.default_max_tokens,
             stream,
@@ -410,16 +421,16 @@ class Gateway:
         if len(self._identities) >= MAX_IDENTITIES:
             self._identities.clear()  # models are client input when an engine serves any
         salt = self.salts.get(tenant, tenant)
+        identity = block_identity(model, tokenizer_id, cache_salt=salt)
+        proto = {
+            "model_id": identity.model_id,
+            "tokenizer_id": identity.tokenizer_id,
+            "tenant_id": identity.tenant_id,
+        }
         found = _Identity(
-            tenant=tenant,
-            salt=salt,
-            digest=identity_digest(model, tokenizer_id, None, tenant, salt),
-            plan_identity=common_pb2.Identity(
-                model_id=model, tokenizer_id=tokenizer_id, tenant_id=tenant, cache_salt=salt
-            ),
-            finish_identity=common_pb2.Identity(
-                model_id=model, tokenizer_id=tokenizer_id, tenant_id=tenant
-            ),
+            identity=identity,
+            plan_identity=common_pb2.Identity(**proto, cache_salt=salt),
+            finish_identity=common_pb2.Identity(**proto),
             salt_json=json.dumps(salt).encode(),
         )
         self._identities[key] = found
@@ -453,8 +464,8 @@ class Gateway:
 
     async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms):
         cfg = self.config
-        ident = self._identity(tenant, job.model, job.tokenizer.name)
-        hashes = block_hashes(job.tokens, cfg.block_size, ident.digest)
+        ident = self._identity(tenant, job.model, job.tokenizer_id)
+        hashes = ident.identity.hashes(job.tokens, cfg.block_size)
         call = _Call(request_id, arrived, slo_ms, job, ident, hashes, pack_hashes(hashes))
         self.prepare_sum.inc(time.perf_counter() - arrived)
         self._finishes.hold()  # no Finish competes with this request for its answer
@@ -605,11 +616,11 @@ class Gateway:
         return {
             "reservation_id": plan.reservation_id,
             "engine_id": plan.engine_id,
-            "model_id": call.job.model,
-            "tokenizer_id": call.job.tokenizer.name,
-            "tenant_id": ident.tenant,
-            "adapter_id": None,
-            "cache_salt": ident.salt,
+            "model_id": ident.identity.model_id,
+            "tokenizer_id": ident.identity.tokenizer_id,
+            "tenant_id": ident.identity.tenant_id,
+            "adapter_id": ident.identity.adapter_id,
+            "cache_salt": ident.identity.cache_salt,
             "block_size": self.config.block_size,
             "hit_blocks": plan.hit_blocks,
             "recompute_blocks": plan.recompute_blocks,
@@ -663,7 +674,7 @@ def upstream_body(raw: bytes, payload: dict, ident: _Identity, plan: dict) -> by
             )
         )
     body = dict(payload)
-    body["cache_salt"] = ident.salt
+    body["cache_salt"] = ident.identity.cache_salt
     params = body.get("kv_transfer_params")
     body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), PLAN_FIELD: plan}
     return json.dumps(body, separators=(",", ":")).encode()

@@ -22,7 +22,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import block_identity
 from quillcache_core.model import KvBlockKey
 from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_simengine.events import (
@@ -118,26 +118,18 @@ class SimEngine:
         """QuillCache keys of the prompt's full blocks (its store keys).
 
         With a plan, under the plan's identity (the gateway's keys, which FETCH names);
-        without, as the conductor reads our KV events: tenant = the salt or "default"."""
+        without, as the conductor reads our KV events (the record's model and tokenizer, the salt)."""
         if plan is not None:
-            return request_blocks(
-                tokens,
-                self.block_size,
-                model_id=plan.model_id,
-                tokenizer_id=plan.tokenizer_id,
+            identity = block_identity(
+                plan.model_id,
+                plan.tokenizer_id,
+                cache_salt=plan.cache_salt,
                 adapter_id=plan.adapter_id,
                 tenant_id=plan.tenant_id,
-                cache_salt=plan.cache_salt,
             )
-        return request_blocks(
-            tokens,
-            self.block_size,
-            model_id=self.model_id,
-            tokenizer_id=self.tokenizer_id,
-            adapter_id=None,
-            tenant_id=cache_salt or "default",
-            cache_salt=cache_salt,
-        )
+        else:
+            identity = block_identity(self.model_id, self.tokenizer_id, cache_salt=cache_salt)
+        return identity.keys(tokens, self.block_size)
 
     async def prepare(
         self, tokens: Sequence[int], cache_salt: str | None, plan: EnginePlan | None

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
 from quillcache_core.launch.cluster import LocalCluster
 from tests.support.services import wait_until
@@ -494,5 +494,55 @@ def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_and_frees_the_
             )
             stats = stub.Stats(conductor_pb2.StatsRequest(), timeout=5)
             assert stats.reservations_expired == 0, "released by Finish, not by expiry"
+    finally:
+        lc.stop()
+
+
+def test_an_engine_registered_with_its_own_tokenizer_id_gets_hits_from_its_events(tmp_path):
+    """The engine's record names a tokenizer id the gateway's local tokenizer is not called
+    (the builtin one is "builtin-v1"); the gateway must hash under the record's identity,
+    as the conductor does with the engine's KV events, or no event ever becomes a hit."""
+    lc = LocalCluster(
+        tmp_path / "cluster",
+        engines=1,
+        stores=1,
+        time_scale=0.02,
+        log=lambda *_: None,
+        extra_args={"sim-engine": ["--tokenizer-id", "org/llama-tok-v2"]},
+    )
+    endpoints = lc.start()
+    try:
+        messages = [
+            {"role": "system", "content": "You route requests by their cached prefix. " * 12},
+            {"role": "user", "content": "Which engine holds my prompt?"},
+        ]
+        full_blocks = len(BuiltinTokenizer().encode(render_chat(messages))) // 16
+        # Straight to the engine, as a client of a plain vLLM would: only its KV events
+        # tell the conductor, nothing passes through the gateway.
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "cache_salt": "acme"}
+        request = urllib.request.Request(
+            endpoints["engines"][0] + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.status == 200
+
+        async def resident_blocks() -> int:
+            async with grpc.aio.insecure_channel(endpoints["conductor"]) as channel:
+                stats = await conductor_pb2_grpc.ConductorStub(channel).Stats(
+                    conductor_pb2.StatsRequest(), timeout=5
+                )
+            assert [e.tokenizer for e in stats.engines] == ["org/llama-tok-v2"]
+            return stats.engines[0].resident_blocks
+
+        wait_until(lambda: asyncio.run(resident_blocks()) >= full_blocks - 1, timeout_s=20)
+        client = client_for(endpoints)
+        first = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=4
+        )
+        assert first.parse().choices[0].message.content
+        hits = int(first.headers["x-quillcache-hit-blocks"])
+        assert full_blocks - 1 <= hits <= full_blocks, (hits, full_blocks)
     finally:
         lc.stop()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.launch.etcd_server import find_etcd_binary
 from tests.support.etcdctl import etcdctl
 from tests.support.etcdctl import put_engine as support_put_engine

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
-from quillcache_core.identity.hashing import block_hashes, identity_digest
+from quillcache_core.identity.keys import block_identity
 from quillcache_core.identity.tokenize import BuiltinTokenizer
 from quillcache_core.wire.plan import pack_hashes
 from quillcache_gateway.config import GatewayConfig
@@ -25,6 +25,7 @@ from quillcache_gateway.server import Gateway
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 MODEL = "sim-model"
+TOKENIZER = "org/sim-tok"  # what the engines' records name, not the local tokenizer's name
 PROMPT = "a prompt long enough for a few full blocks of sixteen tokens " * 4
 
 
@@ -61,7 +62,10 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
 
     async def Stats(self, request, context):
         return conductor_pb2.StatsResponse(
-            engines=[conductor_pb2.EngineStats(engine_id=e, model=MODEL) for e, _ in self.engines]
+            engines=[
+                conductor_pb2.EngineStats(engine_id=e, model=MODEL, tokenizer=TOKENIZER)
+                for e, _ in self.engines
+            ]
         )
 
     async def PlanStream(self, request_iterator, context):
@@ -153,8 +157,7 @@ async def until(condition, timeout_s: float = 10.0) -> None:
 
 def expected_packed() -> bytes:
     tokens = BuiltinTokenizer().encode(PROMPT)
-    digest = identity_digest(MODEL, "builtin-v1", None, "acme", "acme")
-    return pack_hashes(block_hashes(tokens, 16, digest))
+    return pack_hashes(block_identity(MODEL, TOKENIZER, cache_salt="acme").hashes(tokens, 16))
 
 
 def test_a_stream_gets_headers_first_then_the_engines_bytes_then_finish_with_observe():
@@ -173,6 +176,7 @@ def test_a_stream_gets_headers_first_then_the_engines_bytes_then_finish_with_obs
             assert plan.packed_hashes == expected_packed() and plan.action_runs
             assert (plan.block_tokens, plan.identity.tenant_id) == (16, "acme")
             assert plan.identity.cache_salt == "acme"
+            assert (plan.identity.model_id, plan.identity.tokenizer_id) == (MODEL, TOKENIZER)
             sent = engines[0].bodies[0]
             assert sent["cache_salt"] == "acme" and sent["prompt"] == PROMPT
             assert sent["kv_transfer_params"]["quillcache"]["reservation_id"] == "res-1"

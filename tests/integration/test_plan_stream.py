@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.rpc.plan_client import PlanClient
 from quillcache_core.wire.plan import expand_runs, pack_hashes
 from tests.support.etcdctl import put_engine as support_put_engine

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_conductor.zmq_sub import EngineSubscriber
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.decode import decode_batch

@@ -15,7 +15,7 @@ import pytest
 
 from quillcache_conductor.kv_translate import ApplyResult, EngineEventTranslator
 from quillcache_conductor.zmq_sub import EngineSubscriber
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.events import DecodedBatch
 

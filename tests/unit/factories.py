@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.model import MIB, CacheResidency, CacheTier, RequestShape, WorkerState
 
 MODEL = "llama-3-8b"

@@ -14,7 +14,7 @@ from quillcache_bench.fleetsim.workloads import (
     SimRequest,
     make_workload,
 )
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.model import CacheTier, CostModel, RequestShape
 from quillcache_core.routing.references import POLICY_NAMES, make_policy
 

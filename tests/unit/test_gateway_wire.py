@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import pytest
@@ -11,14 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillcache.v1 import common_pb2, conductor_pb2
-from quillcache_core.identity.hashing import block_hashes, identity_digest, request_blocks
-from quillcache_core.identity.tokenize import BuiltinTokenizer
+from quillcache_conductor.kv_translate import EngineEventTranslator
+from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
+from quillcache_core.index.memory import MemoryIndex
+from quillcache_core.kvevents.decode import decode_batch
 from quillcache_core.process.metrics import MetricsRegistry
+from quillcache_core.registry import NodeRecord
 from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_core.wire.plan import pack_hashes
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.server import Gateway, _Call, _Completion, upstream_body
+from tests.support.vllm_publisher import VllmEventEncoder
 
 pytestmark = pytest.mark.unit
 
@@ -80,34 +85,109 @@ def test_empty_and_unicode_bodies_splice():
         assert sent == plain_body(payload, "tenant-é", {})
 
 
-def test_identity_and_hashes_match_request_blocks():
-    gw = gateway()
-    ident = gw._identity("acme", "sim-model", "builtin-v1")
-    assert ident.digest == identity_digest("sim-model", "builtin-v1", None, "acme", "salty")
-    assert gw._identity("acme", "sim-model", "builtin-v1") is ident  # computed once
-    tokens = BuiltinTokenizer().encode("a shared system prompt " * 20)
-    keys = request_blocks(
-        tokens,
-        16,
-        model_id="sim-model",
-        tokenizer_id="builtin-v1",
-        adapter_id=None,
-        tenant_id="acme",
-        cache_salt="salty",
+def served(gw: Gateway, models: dict[str, str]) -> Gateway:
+    """The gateway as if the conductor's Stats had just listed these models' tokenizers."""
+    gw._models = (time.monotonic(), models)
+    return gw
+
+
+def gateway_hashes(gw: Gateway, tenant: str, payload: dict, kind: str) -> tuple[list[str], object]:
+    """The block hashes the gateway's own request path derives (parse, identity, hash)."""
+    raw = json.dumps(payload).encode()
+    job = asyncio.run(gw._parse(raw, payload, kind))
+    ident = gw._identity(tenant, job.model, job.tokenizer_id)
+    return ident.identity.hashes(job.tokens, 16), ident
+
+
+def conductor_hashes(record: NodeRecord, tokens: list[int], salt: str) -> tuple[list[str], set]:
+    """What the conductor indexes when the engine of `record` reports caching `tokens`."""
+    index = MemoryIndex()
+    translator = EngineEventTranslator(index, record.id, record.model, record.tokenizer)
+    enc = VllmEventEncoder(block_size=16, seed=b"another-deployment")
+    result = translator.apply(decode_batch(enc.batch([enc.stored_event(tokens, salt=salt)])))
+    assert result.rejected == []
+    keys = sorted((r.key for r in index.snapshot()), key=lambda k: k.block_index)
+    return [k.block_hash for k in keys], {k.scope() for k in keys}
+
+
+@pytest.mark.parametrize("tokenizer", ["org/llama-tok-v2", ""])
+@pytest.mark.parametrize(
+    "kind,payload",
+    [
+        ("completion", {"model": "sim-model", "prompt": "a shared system prompt " * 20}),
+        (
+            "chat",
+            {
+                "model": "sim-model",
+                "messages": [
+                    {"role": "system", "content": "You answer questions about rockets. " * 8},
+                    {"role": "user", "content": "How high?"},
+                ],
+            },
+        ),
+    ],
+)
+def test_gateway_and_conductor_derive_the_same_keys_for_one_engine_record(tokenizer, kind, payload):
+    # The engine's record names a tokenizer the gateway's local one is not called
+    # (builtin-v1): the identity is the record's on both sides, so the keys meet.
+    record = NodeRecord(
+        kind="engine",
+        id="e1",
+        address="",
+        locality_domain="d0",
+        model="sim-model",
+        tokenizer=tokenizer,
     )
-    hashes = block_hashes(tokens, 16, ident.digest)
-    assert hashes == [k.block_hash for k in keys]
+    gw = served(gateway(), {record.model: record.tokenizer})
+    hashes, ident = gateway_hashes(gw, "acme", payload, kind)
+    assert len(hashes) >= 5
+    tokens = (
+        BuiltinTokenizer().encode(render_chat(payload["messages"]))
+        if kind == "chat"
+        else BuiltinTokenizer().encode(payload["prompt"])
+    )
+    theirs, scopes = conductor_hashes(record, tokens, "salty")  # acme's salt reaches vLLM
+    assert hashes == theirs
+    assert scopes == {ident.identity.scope()}
     assert ident.plan_identity.cache_salt == "salty"
     assert ident.finish_identity == common_pb2.Identity(
-        model_id="sim-model", tokenizer_id="builtin-v1", tenant_id="acme"
+        model_id="sim-model", tokenizer_id=tokenizer or "sim-model", tenant_id="salty"
     )
+    assert gw._identity("acme", "sim-model", tokenizer) is ident  # computed once
+
+
+def test_another_tenant_or_tokenizer_never_meets_those_keys():
+    record = NodeRecord(
+        kind="engine",
+        id="e1",
+        address="",
+        locality_domain="d0",
+        model="sim-model",
+        tokenizer="org/tok",
+    )
+    payload = {"model": "sim-model", "prompt": "a shared system prompt " * 20}
+    gw = served(gateway(), {"sim-model": "org/tok"})
+    ours, _ = gateway_hashes(gw, "acme", payload, "completion")
+    tokens = BuiltinTokenizer().encode(payload["prompt"])
+    assert conductor_hashes(record, tokens, "globex")[0][0] != ours[0]
+    other = NodeRecord(
+        kind="engine",
+        id="e2",
+        address="",
+        locality_domain="d0",
+        model="sim-model",
+        tokenizer="org/tok-v3",
+    )
+    assert conductor_hashes(other, tokens, "salty")[0][0] != ours[0]
 
 
 def test_plan_json_is_engine_plan_to_json_with_fetch_runs_expanded():
     gw = gateway()
     ident = gw._identity("acme", "sim-model", "builtin-v1")
     hashes = [f"{i:032x}" for i in range(10)]
-    job = _Completion(b"{}", {}, "sim-model", BuiltinTokenizer(), list(range(170)), 8, False)
+    job = _Completion(
+        b"{}", {}, "sim-model", BuiltinTokenizer(), "builtin-v1", list(range(170)), 8, False
+    )
     call = _Call("req", 0.0, 800, job, ident, hashes, pack_hashes(hashes))
     A = conductor_pb2.BlockAction
     plan = conductor_pb2.PlanResponse(
@@ -149,7 +229,7 @@ def test_plan_json_is_engine_plan_to_json_with_fetch_runs_expanded():
         engine_id="e1",
         model_id="sim-model",
         tokenizer_id="builtin-v1",
-        tenant_id="acme",
+        tenant_id="salty",  # the identity's tenant is its cache partition
         cache_salt="salty",
         block_size=16,
         hit_blocks=2,

@@ -6,12 +6,8 @@ from array import array
 import pytest
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.identity.hashing import (
-    block_hashes,
-    identity_digest,
-    packed_block_hashes,
-    request_blocks,
-)
+from quillcache_core.identity.hashing import block_hashes, identity_digest, packed_block_hashes
+from quillcache_core.identity.keys import request_blocks
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import pytest
 
 from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_core.errors import NotFound
-from quillcache_core.identity.hashing import request_blocks
+from quillcache_core.identity.keys import request_blocks
 from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.decode import decode_batch

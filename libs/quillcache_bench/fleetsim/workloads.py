@@ -4,8 +4,8 @@ Pure: token ids come from a numpy generator seeded by the caller; nothing is rea
 written. A workload is a fixed sequence of requests (same for every policy and every
 rate); `arrivals_us` lays Poisson arrival times over that sequence for one rate.
 
-Block keys are exactly `hashing.request_blocks(tokens, block_size, tenant_id=tenant,
-cache_salt=tenant)`, computed incrementally: a prompt that extends an earlier one
+Block keys are exactly `block_identity(MODEL_ID, TOKENIZER_ID, cache_salt=tenant).keys(tokens,
+block_size)` (the keys a gateway would send), computed incrementally: a prompt that extends an earlier one
 (the next chat turn, the next question on a document) reuses the earlier prompt's
 full-block keys and hashes only the blocks after them, chained from the last one.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.identity.hashing import block_hashes, identity_digest, keys_from_hashes
+from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.model import CostModel, KvBlockKey, RequestShape
 
 MODEL_ID = "llama-3-8b"
@@ -116,7 +116,7 @@ class _Chains:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._identity: dict[str, bytes] = {}
+        self._identity: dict[str, BlockIdentity] = {}
 
     def root(self, tenant: str, tokens: list[int]) -> _Prompt:
         return self.extend(tenant, _Prompt([], []), tokens)
@@ -124,25 +124,15 @@ class _Chains:
     def extend(self, tenant: str, prompt: _Prompt, more: list[int]) -> _Prompt:
         ident = self._identity.get(tenant)
         if ident is None:
-            ident = self._identity[tenant] = identity_digest(
-                MODEL_ID, TOKENIZER_ID, None, tenant, tenant
+            ident = self._identity[tenant] = block_identity(
+                MODEL_ID, TOKENIZER_ID, cache_salt=tenant
             )
         bs = self.block_size
         tokens = prompt.tokens + more
         kept = len(prompt.tokens) // bs
         keys = prompt.keys[:kept]
         parent = keys[-1].block_hash if keys else None
-        hashes = block_hashes(tokens[kept * bs :], bs, ident, parent)
-        keys = keys + keys_from_hashes(
-            hashes,
-            bs,
-            model_id=MODEL_ID,
-            tokenizer_id=TOKENIZER_ID,
-            adapter_id=None,
-            tenant_id=tenant,
-            parent=parent or "root",
-            first_index=kept,
-        )
+        keys = keys + ident.keys(tokens[kept * bs :], bs, parent=parent or "root", first_index=kept)
         return _Prompt(tokens, keys)
 
 

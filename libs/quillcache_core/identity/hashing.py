@@ -118,29 +118,6 @@ def _chain(
     return list(map(bytes.hex, digests))
 
 
-def request_blocks(
-    tokens: Sequence[int],
-    block_size: int,
-    *,
-    model_id: str,
-    tokenizer_id: str,
-    adapter_id: str | None,
-    tenant_id: str,
-    cache_salt: str | None = None,
-) -> list[KvBlockKey]:
-    """KvBlockKeys for the full blocks of a prompt under one identity."""
-    ident = identity_digest(model_id, tokenizer_id, adapter_id, tenant_id, cache_salt)
-    hashes = block_hashes(tokens, block_size, ident)
-    return keys_from_hashes(
-        hashes,
-        block_size,
-        model_id=model_id,
-        tokenizer_id=tokenizer_id,
-        adapter_id=adapter_id,
-        tenant_id=tenant_id,
-    )
-
-
 def keys_from_hashes(
     hashes: Sequence[str],
     token_count: int,

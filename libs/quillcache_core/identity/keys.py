@@ -102,3 +102,20 @@ def block_identity(
         salt,
         identity_digest(model_id, tokenizer, adapter, tenant_id, salt),
     )
+
+
+def request_blocks(
+    tokens: Sequence[int],
+    block_size: int,
+    *,
+    model_id: str,
+    tokenizer_id: str,
+    adapter_id: str | None,
+    tenant_id: str,
+    cache_salt: str | None = None,
+) -> list[KvBlockKey]:
+    """KvBlockKeys for the full blocks of a prompt under an identity named in full."""
+    identity = block_identity(
+        model_id, tokenizer_id, cache_salt=cache_salt, adapter_id=adapter_id, tenant_id=tenant_id
+    )
+    return identity.keys(tokens, block_size)

@@ -345,7 +345,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "base_url", "locality_domain", "inflight_requests", "queued_prefill_tokens", "resident_blocks", "store_node", "model")
+    __slots__ = ("engine_id", "base_url", "locality_domain", "inflight_requests", "queued_prefill_tokens", "resident_blocks", "store_node", "model", "tokenizer")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     LOCALITY_DOMAIN_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +354,7 @@ class EngineStats(_message.Message):
     RESIDENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORE_NODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     base_url: str
     locality_domain: str
@@ -362,7 +363,8 @@ class EngineStats(_message.Message):
     resident_blocks: int
     store_node: str
     model: str
-    def __init__(self, engine_id: _Optional[str] = ..., base_url: _Optional[str] = ..., locality_domain: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., store_node: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    tokenizer: str
+    def __init__(self, engine_id: _Optional[str] = ..., base_url: _Optional[str] = ..., locality_domain: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., store_node: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("policy", "index_backend", "resident_records", "resident_bytes", "plans", "events_applied", "events_rejected", "reservations_open", "reservations_expired", "engines", "guard_refusals", "plan_address")
