@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quillcache_store.ssd_records import tune_malloc_for_large_values
+from quillcache_store.tiers.ssd_records import tune_malloc_for_large_values
 
 MIB = 1024 * 1024
 

@@ -67,7 +67,7 @@ from quillcache_bench.baselines import (
 )
 from quillcache_bench.common import Progress, render_table, write_results
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.ssd_records import tune_malloc_for_large_values
+from quillcache_store.tiers.ssd_records import tune_malloc_for_large_values
 
 MIB = 1024 * 1024
 DURABLE = "durable put to SSD, data port (group commit)"

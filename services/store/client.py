@@ -16,7 +16,7 @@ the store refuses (DATA_LOSS) bytes that changed on the way; `get` checks the ch
 the store sends before returning the bytes.
 
 With `data_address` (the node's block-data port, `stats()["data_address"]` or its
-registry record) `put` goes over raw TCP instead (`dataput`): the same checks and
+registry record) `put` goes over raw TCP instead (`datapath.put`): the same checks and
 acknowledgement, without gRPC's per-chunk cost.
 
 Not thread-safe: use one client per event loop.
@@ -41,7 +41,7 @@ from quillcache_core.rpc.server import error_from_status
 from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
 from quillcache_store import wire
 from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.dataput import BlockPusher
+from quillcache_store.datapath.put import BlockPusher
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from quillcache.v1 import conductor_pb2
 from quillcache_store import wire
-from quillcache_store.tiers import STORED, TierEvent
+from quillcache_store.tiers.tiered import STORED, TierEvent
 
 log = logging.getLogger(__name__)
 

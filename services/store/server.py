@@ -24,15 +24,15 @@ from quillcache_core.rpc.server import (
 )
 from quillcache_store.client import MAX_MESSAGE_BYTES
 from quillcache_store.config import StoreConfig
-from quillcache_store.datapull import BlockPuller
-from quillcache_store.dataserver import BlockDataServer
-from quillcache_store.dram import DramTier
+from quillcache_store.datapath.pull import BlockPuller
+from quillcache_store.datapath.server import BlockDataServer
 from quillcache_store.links import ConductorLink, PeerStores, TransferLink
 from quillcache_store.pooled import PooledStore
 from quillcache_store.reporter import ResidencyReporter
 from quillcache_store.servicer import SERVICE_NAME, ByteBudget, StoreServicer
-from quillcache_store.ssd import SsdTier
-from quillcache_store.tiers import TieredStore
+from quillcache_store.tiers.dram import DramTier
+from quillcache_store.tiers.ssd import SsdTier
+from quillcache_store.tiers.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 

@@ -27,10 +27,11 @@ from quillcache_core.errors import CapacityExceeded, InvalidArgument, QuillCache
 from quillcache_core.model import CacheTier
 from quillcache_core.rpc.server import stream_errors, unary_errors
 from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
-from quillcache_store import dataproto, wire
-from quillcache_store.datapull import BlockPuller, OutcomeBatches, PullOutcome
+from quillcache_store import wire
+from quillcache_store.datapath import protocol as dataproto
+from quillcache_store.datapath.pull import BlockPuller, OutcomeBatches, PullOutcome
 from quillcache_store.pooled import PooledStore
-from quillcache_store.tiers import TieredStore
+from quillcache_store.tiers.tiered import TieredStore
 
 logger = logging.getLogger(__name__)
 

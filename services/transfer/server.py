@@ -17,7 +17,7 @@ from quillcache_core.rpc.server import (
     start_server,
 )
 from quillcache_store.client import MAX_MESSAGE_BYTES
-from quillcache_store.ssd_records import tune_malloc_for_large_values
+from quillcache_store.tiers.ssd_records import tune_malloc_for_large_values
 from quillcache_transfer.config import TransferConfig
 from quillcache_transfer.mover import TransferStats
 from quillcache_transfer.servicer import SERVICE_NAME, TransferServicer

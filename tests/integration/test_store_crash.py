@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.ssd import SsdTier
+from quillcache_store.tiers.ssd import SsdTier
 
 pytestmark = pytest.mark.integration
 

@@ -13,10 +13,11 @@ import pytest
 from quillcache.v1 import store_pb2, store_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from quillcache_core.model import CacheTier
 from quillcache_core.wire.tiers import tier_to_proto
-from quillcache_store import dataproto, wire
+from quillcache_store import wire
 from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.client import StoreClient
-from quillcache_store.dataserver import recv_exactly
+from quillcache_store.datapath import protocol as dataproto
+from quillcache_store.datapath.server import recv_exactly
 from tests.support.stores import SHAPES, block_key, kv_payload, run
 
 pytestmark = pytest.mark.integration

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from quillcache_store.ssd import SsdTier
+    from quillcache_store.tiers.ssd import SsdTier
 
     tier = SsdTier(args.path, CAPACITY_BYTES)
     out = sys.stdout

@@ -8,11 +8,11 @@ import pytest
 
 from quillcache_core.errors import Corrupt, InvalidArgument
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store import dataproto
 from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.dram import DramTier
-from quillcache_store.ssd import SsdTier
-from quillcache_store.tiers import TieredStore
+from quillcache_store.datapath import protocol as dataproto
+from quillcache_store.tiers.dram import DramTier
+from quillcache_store.tiers.ssd import SsdTier
+from quillcache_store.tiers.tiered import TieredStore
 
 pytestmark = pytest.mark.unit
 

@@ -10,11 +10,11 @@ import pytest
 from quillcache.v1 import conductor_pb2
 from quillcache_core.errors import NodeUnavailable, NotFound
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.dram import DramTier
 from quillcache_store.pooled import PeerLocation, PooledStore
 from quillcache_store.reporter import ResidencyReporter, event_to_proto
-from quillcache_store.ssd import SsdTier
-from quillcache_store.tiers import REMOVED, STORED, TieredStore, TierEvent
+from quillcache_store.tiers.dram import DramTier
+from quillcache_store.tiers.ssd import SsdTier
+from quillcache_store.tiers.tiered import REMOVED, STORED, TieredStore, TierEvent
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from quillcache_store.datapull import OutcomeBatches, PullOutcome
+from quillcache_store.datapath.pull import OutcomeBatches, PullOutcome
 
 pytestmark = pytest.mark.unit
 

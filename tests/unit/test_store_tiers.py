@@ -23,9 +23,9 @@ from quillcache_store.blockcodec import (
     payload_checksum,
     storage_key,
 )
-from quillcache_store.dram import DramTier, size_class
-from quillcache_store.ssd import SsdTier
-from quillcache_store.tiers import TieredStore, TierEvent
+from quillcache_store.tiers.dram import DramTier, size_class
+from quillcache_store.tiers.ssd import SsdTier
+from quillcache_store.tiers.tiered import TieredStore, TierEvent
 
 pytestmark = pytest.mark.unit
 

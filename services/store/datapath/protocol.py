@@ -1,7 +1,7 @@
 """The block data protocol: store-to-store block bytes over a raw TCP connection.
 
-A store node also listens on a block-data port (`dataserver`), announced in its
-registry record as `data_address`. A destination node (`datapull`) connects, sends a
+A store node also listens on a block-data port (`datapath.server`), announced in its
+registry record as `data_address`. A destination node (`datapath.pull`) connects, sends a
 request naming the blocks, and receives them back to back, in request order, each
 straight into its own DRAM pool buffer. One connection carries one request at a time
 and may carry many requests in turn. All integers are little-endian.

@@ -12,7 +12,7 @@ import socket
 import threading
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
-from quillcache_store.dataserver import tune_socket
+from quillcache_store.datapath.server import tune_socket
 
 
 class DataConnections:

@@ -32,7 +32,7 @@ import time
 import lmdb
 
 from quillcache_core.errors import CapacityExceeded
-from quillcache_store.ssd_records import _RECENT_WRITER_S, _Op
+from quillcache_store.tiers.ssd_records import _RECENT_WRITER_S, _Op
 
 log = logging.getLogger(__name__)
 

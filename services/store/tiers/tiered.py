@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from quillcache_core.errors import CapacityExceeded, Corrupt, InvalidArgument, NotFound
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store.blockcodec import CorruptBlock, header_length, payload_checksum
-from quillcache_store.dram import DramTier, Reservation
-from quillcache_store.ssd import SsdTier
+from quillcache_store.tiers.dram import DramTier, Reservation
+from quillcache_store.tiers.ssd import SsdTier
 
 log = logging.getLogger(__name__)
 

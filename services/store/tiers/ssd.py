@@ -62,8 +62,14 @@ from quillcache_store.blockcodec import (
     payload_checksum,
     storage_key,
 )
-from quillcache_store.ssd_records import MIB, _Meta, _Op, _Prepared, tune_malloc_for_large_values
-from quillcache_store.ssd_writer import GroupCommitWriter
+from quillcache_store.tiers.ssd_records import (
+    MIB,
+    _Meta,
+    _Op,
+    _Prepared,
+    tune_malloc_for_large_values,
+)
+from quillcache_store.tiers.ssd_writer import GroupCommitWriter
 
 log = logging.getLogger(__name__)
 

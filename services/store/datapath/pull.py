@@ -1,6 +1,6 @@
 """The destination side of the block data path: pull blocks from a peer's data port.
 
-`BlockPuller.pull(address, keys, ...)` sends one request (framing in `dataproto`) to a
+`BlockPuller.pull(address, keys, ...)` sends one request (framing in `protocol`) to a
 source node's block-data port and stores each block as it arrives: into DRAM its
 bytes go from the socket straight into a pooled buffer (`TieredStore.put_filled`,
 `recv_into`, one copy), are checked against the checksum the source recorded when
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store import dataproto
 from quillcache_store.blockcodec import CorruptBlock, payload_checksum
-from quillcache_store.dataconn import DataConnections
-from quillcache_store.dataserver import is_timeout, recv_exactly
-from quillcache_store.tiers import TieredStore
+from quillcache_store.datapath import protocol as dataproto
+from quillcache_store.datapath.conn import DataConnections
+from quillcache_store.datapath.server import is_timeout, recv_exactly
+from quillcache_store.tiers.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 

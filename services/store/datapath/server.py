@@ -1,6 +1,6 @@
 """This node's raw TCP block-data port: peers pull its blocks, clients push puts.
 
-`BlockDataServer` listens on the block-data port (framing in `dataproto`). Each
+`BlockDataServer` listens on the block-data port (framing in `protocol`). Each
 connection gets a thread that reads a request, then sends every named block in order:
 a DRAM block straight from its pinned pool buffer (handed to the kernel with
 `sendmsg`, no copy in Python), an SSD block from a verified read (which promotes it,
@@ -16,7 +16,7 @@ the destination, which checks every block against that checksum and stores nothi
 (DATA_LOSS), and is dropped here (reported, as on every read), so a retry gets the
 SSD copy or NOT_FOUND.
 
-A put (`dataproto` PUT frames) is received straight into where it is stored: a DRAM
+A put (`protocol` PUT frames) is received straight into where it is stored: a DRAM
 pool buffer, or for a durable or SSD put an SSD record buffer with its header's room
 reserved (`TieredStore.put_filled`), checked against the checksum the client sent,
 then acknowledged (a durable put after its SSD commit, which concurrent puts on other
@@ -38,9 +38,9 @@ import time
 
 from quillcache_core.errors import InvalidArgument, NotFound, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store import dataproto
 from quillcache_store.blockcodec import CorruptBlock, payload_checksum, payload_hasher
-from quillcache_store.tiers import TieredStore
+from quillcache_store.datapath import protocol as dataproto
+from quillcache_store.tiers.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,88 @@
+"""The tree keeps its rooms: what the layout promises, checked on the source itself."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "libs" / "quillcache_core"
+RUNTIME = [CORE, *sorted((ROOT / "services").iterdir())]
+
+
+def sources(*roots: Path) -> list[Path]:
+    return [p for root in roots for p in sorted(root.rglob("*.py")) if "_pb2" not in p.name]
+
+
+def imported_modules(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def strings(path: Path) -> str:
+    """Every string constant of the code but docstrings, joined."""
+    tree = ast.parse(path.read_text(), str(path))
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return "\n".join(
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+    )
+
+
+def test_the_runtime_never_imports_the_bench_package():
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(m for m in imported_modules(p) if "quillcache_bench" in m)
+        for p in sources(*RUNTIME)
+    }
+    assert {p: m for p, m in offenders.items() if m} == {}
+    # Nor by name, through importlib: the bench commands come through an entry point.
+    named = [
+        str(p.relative_to(ROOT)) for p in sources(*RUNTIME) if "quillcache_bench" in strings(p)
+    ]
+    assert named == []
+
+
+def test_no_benchmark_lives_in_a_service():
+    assert sorted(ROOT.glob("services/**/bench*.py")) == []
+
+
+def test_core_has_few_top_level_modules_and_no_file_is_over_700_lines():
+    assert len(list(CORE.glob("*.py"))) <= 12
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sources(ROOT / "libs", ROOT / "services")
+        if (n := len(p.read_text().splitlines())) > 700
+    }
+    assert long == {}
+
+
+def test_core_rooms_do_not_import_the_launcher_or_the_services():
+    # launch/ starts processes; every other room is used by them, never the reverse.
+    rooms = [p for p in CORE.iterdir() if p.is_dir() and p.name not in ("launch", "__pycache__")]
+    bad = {}
+    for path in sources(*rooms, *CORE.glob("*.py")):
+        up = sorted(
+            m
+            for m in imported_modules(path)
+            if m.startswith("quillcache_core.launch")
+            or (m.startswith("quillcache_") and not m.startswith("quillcache_core"))
+        )
+        if up:
+            bad[str(path.relative_to(ROOT))] = up
+    assert bad == {}
