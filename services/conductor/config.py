@@ -37,6 +37,11 @@ class ConductorConfig:
     )
     reservation_ttl_s: float = opt(300.0, "a reservation not finished within this time is released")
     block_bytes: int = opt(2 * 1024 * 1024, "KV bytes per block when a request or event omits it")
+    block_tokens: int = opt(
+        16,
+        "the index's block size in tokens, told to gateways in Stats: an engine whose blocks "
+        "are a multiple of it (vLLM on CPU: 32) has each split into blocks of this size",
+    )
     max_blocks_per_request: int = opt(16384, "Plan and Observe reject longer block lists")
     plan_alternatives: int = opt(
         8,
@@ -66,5 +71,7 @@ class ConductorConfig:
             raise InvalidArgument("--departed-sweep-s must be >= 0")
         if self.temperature < 0:
             raise InvalidArgument("--temperature must be >= 0")
-        if self.block_bytes <= 0 or self.max_blocks_per_request <= 0:
-            raise InvalidArgument("--block-bytes and --max-blocks-per-request must be positive")
+        if self.block_bytes <= 0 or self.max_blocks_per_request <= 0 or self.block_tokens <= 0:
+            raise InvalidArgument(
+                "--block-bytes, --block-tokens and --max-blocks-per-request must be positive"
+            )

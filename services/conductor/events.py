@@ -93,6 +93,8 @@ class EventRouter:
             model,
             tokenizer,
             bytes_per_block=self.state.default_block_bytes,
+            block_tokens=self.state.block_tokens,
+            engine_block_tokens=info.record.block_size if info else 0,
         )
         self.translators[engine_id] = translator
         return translator
@@ -113,6 +115,7 @@ class EventRouter:
             on_batch=self._on_zmq_batch,
             on_error=self._on_zmq_error,
             on_reset=self._on_reset,
+            on_lost=self._on_lost,
         )
         subscriber.start()
         self.subscribers[record.id] = subscriber
@@ -165,6 +168,19 @@ class EventRouter:
         if translator is not None:
             dropped = translator.reset()
             logger.info("engine %s restarted its publisher; dropped %d records", engine_id, dropped)
+
+    def _on_lost(self, engine_id: str, missing: int) -> None:
+        """Batches that neither came nor replayed: the engine's records are no longer
+        trusted (one of them may be a BlockRemoved), so they go; its next events relearn."""
+        translator = self.translators.get(engine_id)
+        if translator is not None:
+            dropped = translator.reset()
+            logger.warning(
+                "engine %s: %d event batches lost; dropped its %d records",
+                engine_id,
+                missing,
+                dropped,
+            )
 
     def _reject(self, engine_id: str, error: EventError, seq: int | None, count: int = 1) -> None:
         self.rejected.inc(count, engine=engine_id, reason=error.reason)

@@ -45,6 +45,7 @@ from quillcache_core.kvevents.bulk import (
     bulk_from_events,
     engine_hash,
     engine_key,
+    split_blocks,
     stored_shape,
 )
 from quillcache_core.kvevents.events import DecodedBatch, EventError
@@ -120,8 +121,17 @@ class EngineEventTranslator:
         *,
         bytes_per_block: int = 2 * MIB,
         max_tracked: int = DEFAULT_MAX_TRACKED,
+        block_tokens: int = 0,
+        engine_block_tokens: int = 0,
     ) -> None:
+        """`block_tokens` is the index's block size: an engine reporting larger blocks (a
+        multiple of it) has each split into sub-blocks of that size (`split_blocks`), so
+        its blocks key the same as a gateway's request hashed at that size. 0 applies the
+        engine's blocks as they come. `engine_block_tokens` is the engine's own block size
+        (its record's, 0 = learn it from its BlockStored events), by which removals split."""
         self.index = index
+        self.block_tokens = block_tokens
+        self.engine_block_tokens = engine_block_tokens
         self.engine_id = engine_id
         self.model_id = model_id
         # The identity's tokenizer: the record's, or the model's own when it names none.
@@ -182,6 +192,8 @@ class EngineEventTranslator:
         """
         if type(batch) is not BulkBatch:
             batch = bulk_from_events(batch)
+        if self.block_tokens:
+            batch = self._split(batch)
         result = ApplyResult(applied=0, rejected=list(batch.errors))
         stamp = int(batch.ts * 1000) if batch.ts is not None and batch.ts > 0 else 0
         tokens = batch.tokens
@@ -209,6 +221,17 @@ class EngineEventTranslator:
         self.stats.events_applied += result.applied
         self.stats.events_rejected += len(result.rejected)
         return result
+
+    def _split(self, batch: BulkBatch) -> BulkBatch:
+        """The batch in the index's block size; learns the engine's from its stored blocks."""
+        run = batch.run
+        if run is not None and batch._ops is None:  # noqa: SLF001 - no ops built yet
+            sizes = {run.block_size}
+        else:
+            sizes = {op[4] for op in batch.ops if op[0] == OP_STORED}
+        if len(sizes) == 1 and not self.engine_block_tokens:
+            self.engine_block_tokens = next(iter(sizes))
+        return split_blocks(batch, self.block_tokens, self.engine_block_tokens)
 
     def reset(self) -> int:
         """The engine holds nothing (AllBlocksCleared, or it restarted): drop its records."""

@@ -59,6 +59,7 @@ class ConductorServer:
             reservation_ttl_s=config.reservation_ttl_s,
             default_block_bytes=config.block_bytes,
             max_blocks_per_request=config.max_blocks_per_request,
+            block_tokens=config.block_tokens,
         )
         self.metrics = MetricsRegistry()
         self.events = EventRouter(self.state, self.metrics, subscribe_zmq=config.kv_events)
@@ -118,6 +119,17 @@ class ConductorServer:
             "guard_refusals_total",
             "content matches of another identity refused",
             read=lambda: [((), state.counters.guard_refusals)],
+        )
+        m.gauge(
+            "kv_events_subscriber_total",
+            "per engine's ZMQ subscriber: gaps seen, batches replayed, sequences lost "
+            "(neither received nor replayed: the engine's records were dropped), publisher resets",
+            ["engine", "what"],
+            read=lambda: [
+                ((engine, what), getattr(sub.counters, what))
+                for engine, sub in list(self.events.subscribers.items())
+                for what in ("gaps", "replayed", "lost", "resets")
+            ],
         )
         m.gauge(
             "index_resident_records",

@@ -378,6 +378,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             reservations_expired=state.counters.reservations_expired,
             guard_refusals=state.counters.guard_refusals,
             plan_address=self.plan_address,
+            block_tokens=state.block_tokens,
             engines=[
                 conductor_pb2.EngineStats(
                     engine_id=info.state.id,

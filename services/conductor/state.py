@@ -91,6 +91,7 @@ class ConductorState:
         reservation_ttl_s: float = 300.0,
         default_block_bytes: int = 2 * MIB,
         max_blocks_per_request: int = 16384,
+        block_tokens: int = 16,
     ) -> None:
         if reservation_ttl_s <= 0:
             raise InvalidArgument("reservation_ttl_s must be positive")
@@ -101,6 +102,8 @@ class ConductorState:
         self.reservation_ttl_s = reservation_ttl_s
         self.default_block_bytes = default_block_bytes
         self.max_blocks_per_request = max_blocks_per_request
+        # The index's block size in tokens; engines with larger blocks are split into it.
+        self.block_tokens = block_tokens
         self.engines: dict[str, EngineInfo] = {}
         self.stores: dict[str, NodeRecord] = {}
         self.reservations: dict[str, Reservation] = {}
@@ -284,7 +287,14 @@ class ConductorState:
         if res is None:
             raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
         self._release(res)
-        if promote and outcome == "success" and res.optimistic and res.engine_id in self.engines:
+        info = self.engines.get(res.engine_id)
+        if (
+            promote
+            and outcome == "success"
+            and res.optimistic
+            and info is not None
+            and not publishes_events(info.record)
+        ):
             # The engine has computed them now: they are resident until it says otherwise.
             self.index.put_many(res.optimistic)
         self._forget_optimistic(res)
@@ -292,10 +302,16 @@ class ConductorState:
         return res.engine_id
 
     def observe(self, engine_id: str, keys: Sequence) -> int:
-        """Record a served request's prefix blocks as resident in the engine's HBM."""
+        """Record a served request's prefix blocks as resident in the engine's HBM.
+
+        Not for an engine that publishes KV events: its events are the truth (a block
+        observed after the engine evicted it would be claimed for ever). Returns the
+        blocks recorded."""
         info = self.engines.get(engine_id)
         if info is None:
             raise NotFound(f"unknown engine {engine_id!r}")
+        if publishes_events(info.record):
+            return 0
         # Most of a served prefix is usually recorded already (by an earlier request or
         # the engine's own events): a lookup is a tenth of a put, so only new blocks
         # are written.
@@ -399,11 +415,20 @@ class ConductorState:
                 self.counters.reservations_expired += 1
                 logger.info("reservation %s on %s expired without Finish", res.id, res.engine_id)
 
+    def engine_block_parts(self, engine_id: str) -> int:
+        """Index blocks per block of the engine (its record's block size over ours; >= 1)."""
+        info = self.engines.get(engine_id)
+        size = info.record.block_size if info is not None else 0
+        return max(1, size // self.block_tokens) if size else 1
+
     def _record_optimistic(self, decision: PlanDecision, request: RequestShape) -> list:
         """Overlay records for the request's blocks not already in its engine's HBM."""
         engine = decision.engine.id
         hbm = CacheTier.HBM
         blocks = request.blocks
+        parts = self.engine_block_parts(engine)
+        if parts > 1:  # the engine caches whole blocks of its own size only
+            blocks = blocks[: len(blocks) // parts * parts]
         held = [
             (run.first, run.first + run.count)
             for run in action_runs(decision.actions)
@@ -472,6 +497,11 @@ class ConductorState:
             raise InvalidArgument(
                 f"{len(request.blocks)} blocks exceed the limit of {self.max_blocks_per_request}"
             )
+
+
+def publishes_events(record: NodeRecord) -> bool:
+    """Whether the engine reports its cache itself (KV events over ZMQ)."""
+    return bool(record.kv_events_endpoint)
 
 
 def _serves(record: NodeRecord, model_id: str) -> bool:

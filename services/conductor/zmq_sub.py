@@ -2,17 +2,20 @@
 
 Wire (ANCHORS.md): a PUB socket sends 3 frames per batch: topic, sequence number
 (8-byte big-endian, from 0), msgpack payload. A ROUTER socket replays buffered
-batches: the client sends the start sequence (8-byte BE) and receives one
-(sequence, payload) message per buffered batch at or after it, then (-1 as signed
-8-byte BE, b"").
+batches: the client (a DEALER) sends (b"", start sequence as 8-byte BE) and receives,
+after the empty delimiter, one (topic, sequence, payload) message per buffered batch at
+or after it, then (b"", -1 as signed 8-byte BE, b""), as vLLM's ZmqEventPublisher
+answers. The older two-frame form, (sequence, payload) and (-1, b""), is read too.
 
 The subscriber applies batches in sequence order exactly once:
 
 - seq == last + 1: decode and hand to `on_batch`;
 - seq <= last: already applied (typically through a replay): ignored;
 - seq > last + 1: a gap; ask the replay socket for last + 1 onwards, apply what it
-  returns in order, then carry on. What the replay cannot supply is reported as
-  "events_lost" and skipped;
+  returns in order, then carry on. What the replay cannot supply is counted in
+  `lost`, reported as "events_lost", and `on_lost` is called: the engine's records
+  can no longer be trusted (a missed BlockRemoved would claim a block for ever), so
+  the owner drops them and relearns from the events that follow;
 - a live sequence number at or below the previous live one means the publisher
   restarted: `on_reset` is called (the engine's cache is gone) and counting restarts.
 
@@ -60,6 +63,7 @@ END_SEQ = -1
 OnBatch = Callable[[str, int, BulkBatch], None | Awaitable[None]]
 OnError = Callable[[str, int | None, str, str], None | Awaitable[None]]
 OnReset = Callable[[str], None | Awaitable[None]]
+OnLost = Callable[[str, int], None | Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -87,6 +91,7 @@ class EngineSubscriber:
         on_batch: OnBatch,
         on_error: OnError | None = None,
         on_reset: OnReset | None = None,
+        on_lost: OnLost | None = None,
         topic: bytes = b"",
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
@@ -103,6 +108,7 @@ class EngineSubscriber:
         self.on_batch = on_batch
         self.on_error = on_error
         self.on_reset = on_reset
+        self.on_lost = on_lost
         self.topic = topic
         self.replay_timeout_s = replay_timeout_s
         self.catch_up = catch_up
@@ -239,6 +245,7 @@ class EngineSubscriber:
             detail = f"sequences {self.last_seq + 1}..{seq - 1} not recovered"
             self._warn(seq, "events_lost", detail)
             await self._call(self.on_error, self.engine_id, seq, "events_lost", detail)
+            await self._call(self.on_lost, self.engine_id, missing)
         self.last_seq = seq
         try:
             batch = decode_bulk(payload)
@@ -276,6 +283,8 @@ class EngineSubscriber:
                     raise TimeoutError(f"no replay answer within {self.replay_timeout_s}s")
                 frames = await sock.recv_multipart()
                 if frames and frames[0] == b"":  # DEALER: drop the envelope delimiter
+                    frames = frames[1:]
+                if len(frames) == 3:  # vLLM: (topic, seq, payload); the end has topic b""
                     frames = frames[1:]
                 if len(frames) != 2 or len(frames[0]) != 8:
                     await self._wire_error(None, "bad_replay_frames", f"{len(frames)} frames")

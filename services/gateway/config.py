@@ -24,7 +24,9 @@ class GatewayConfig:
     tokenizers: str = opt(
         "", "per-model tokenizer.json as model=path[,...]; others use the built-in one"
     )
-    block_size: int = opt(16, "tokens per KV block (vLLM's default is 16)")
+    block_size: int = opt(
+        16, "tokens a block until the conductor's Stats name its index block size"
+    )
     block_bytes: int = opt(2 * 1024 * 1024, "KV bytes per block, sent to the conductor")
     default_ttft_slo_ms: int = opt(
         800, "TTFT budget when the request has no x-quillcache-ttft-slo-ms header"

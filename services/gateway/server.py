@@ -29,11 +29,8 @@ from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
 from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.identity.tokenize import (
-    BuiltinTokenizer,
     Tokenizer,
-    load_tokenizers,
-    prompt_tokens,
-    render_chat,
+    request_tokens,
 )
 from quillcache_core.model import CacheTier
 from quillcache_core.process.metrics import MetricsRegistry
@@ -45,6 +42,7 @@ from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_gateway.conductor_calls import ConductorCalls, FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.errors import ApiError, from_domain, response
+from quillcache_gateway.models import ModelCatalog
 from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamPool
 
 logger = logging.getLogger(__name__)
@@ -56,7 +54,6 @@ ERROR = conductor_pb2.FinishRequest.ERROR
 CANCELLED = conductor_pb2.FinishRequest.CANCELLED
 DONE_EVENT = b"data: [DONE]\n\n"
 MAX_IDENTITIES = 4096
-MODELS_TTL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +67,7 @@ class _Completion:
     raw: bytes
     payload: dict
     model: str
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: an engine tokenized it
     tokenizer_id: str
     tokens: list[int]
     max_tokens: int
@@ -101,6 +98,7 @@ class _Call:
     ident: _Identity
     hashes: list[str]  # hex, one per full block
     packed: bytes  # the same hashes as 16-byte digests, concatenated
+    block_size: int = 16  # tokens a block: the conductor's index block size
 
 
 class Gateway:
@@ -108,8 +106,13 @@ class Gateway:
         self.config = config
         self.tenants = config.tenants_by_key()
         self.salts = config.salts_by_tenant()
-        self.tokenizers: dict[str, Tokenizer] = load_tokenizers(config.tokenizers)
-        self.builtin = BuiltinTokenizer()
+        self.catalog = ModelCatalog(
+            config.tokenizers,
+            config.block_size,
+            config.plan_timeout_s,
+            stats=lambda: self._stats,
+            upstream=lambda: self._upstream,
+        )
         self.metrics = MetricsRegistry()
         m = self.metrics
         self.requests = m.counter(
@@ -155,9 +158,6 @@ class Gateway:
         self._upstream: UpstreamPool | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
-        # model -> the tokenizer its engines' records name ("" = the model's own)
-        self._models: tuple[float, dict[str, str]] = (-MODELS_TTL_S, {})
-        self._models_refresh: asyncio.Task | None = None
         self._identities: dict[tuple[str, str, str], _Identity] = {}
         # Request ids: 24 hex digits, a random per-process half and a counter.
         self._id_prefix = secrets.token_hex(6)
@@ -244,7 +244,7 @@ class Gateway:
     async def models(self, request: web.Request) -> web.Response:
         try:
             self._tenant(request)
-            served = await self._served_models()
+            served = await self.catalog.served_models()
         except ApiError as err:
             return response(err)
         data = [
@@ -253,49 +253,6 @@ class Gateway:
             if m
         ]
         return web.json_response({"object": "list", "data": data})
-
-    async def _served_models(self) -> dict[str, str]:
-        """Models the live engines serve ("" present = some engine serves any model).
-
-        Fetched from the conductor at most once a second, and waited for only when the
-        last answer is older than that: `_served_tokenizer` refreshes in the background instead.
-        """
-        fetched_at, models = self._models
-        if time.monotonic() - fetched_at < MODELS_TTL_S:
-            return models
-        if self._models_refresh is None or self._models_refresh.done():
-            self._models_refresh = asyncio.get_running_loop().create_task(self._fetch_models())
-        return await asyncio.shield(self._models_refresh)
-
-    async def _fetch_models(self) -> dict[str, str]:
-        try:
-            stats = await self._stats.Stats(
-                conductor_pb2.StatsRequest(), timeout=self.config.plan_timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise ApiError(
-                503, f"conductor unavailable: {exc.details()}", type_="service_unavailable"
-            ) from None
-        models: dict[str, str] = {}
-        for engine in stats.engines:  # the first engine's record names the model's tokenizer
-            models.setdefault(engine.model, engine.tokenizer)
-        self._models = (time.monotonic(), models)
-        return models
-
-    async def _served_tokenizer(self, model: str) -> str | None:
-        """The tokenizer id the records of `model`'s engines name ("" = the model's own),
-        None when no engine serves it; a known model does not wait for a refresh."""
-        fetched_at, models = self._models
-        if model in models or "" in models:
-            if time.monotonic() - fetched_at >= MODELS_TTL_S and (
-                self._models_refresh is None or self._models_refresh.done()
-            ):
-                task = asyncio.get_running_loop().create_task(self._fetch_models())
-                task.add_done_callback(_ignore_result)
-                self._models_refresh = task
-            return models.get(model, models.get(""))
-        served = await self._served_models()
-        return served.get(model, served.get(""))
 
     # --- completions ------------------------------------------------------------------------
 
@@ -359,7 +316,7 @@ class Gateway:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' must be a non-empty string", param="model")
-        tokenizer_id = await self._served_tokenizer(model)
+        tokenizer_id = await self.catalog.served_tokenizer(model)
         if tokenizer_id is None:
             raise ApiError(
                 404,
@@ -367,21 +324,18 @@ class Gateway:
                 code="model_not_found",
                 param="model",
             )
-        tokenizer = self.tokenizers.get(model, self.builtin)
+        field = "messages" if kind == "chat" else "prompt"
+        if field not in payload:
+            raise ApiError(400, f"'{field}' is required", param=field)
+        tokenizer = self.catalog.tokenizer_for(model, tokenizer_id)
         try:
-            if kind == "chat":
-                if "messages" not in payload:
-                    raise ApiError(400, "'messages' is required", param="messages")
-                tokens = tokenizer.encode(render_chat(payload["messages"]))
+            if tokenizer is None:
+                tokens = await self.catalog.engine_tokens(model, payload, kind)
             else:
-                if "prompt" not in payload:
-                    raise ApiError(400, "'prompt' is required", param="prompt")
                 # A batch of prompts is planned by its first prompt.
-                tokens = prompt_tokens(payload["prompt"], tokenizer)[0]
+                tokens = request_tokens(kind, payload, tokenizer)
         except InvalidArgument as exc:
-            raise ApiError(
-                400, str(exc), param="messages" if kind == "chat" else "prompt"
-            ) from None
+            raise ApiError(400, str(exc), param=field) from None
         max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
         if max_tokens is not None and (
             not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
@@ -445,7 +399,7 @@ class Gateway:
                     request_id=call.request_id,
                     identity=call.ident.plan_identity,
                     packed_hashes=call.packed,
-                    block_tokens=cfg.block_size,
+                    block_tokens=call.block_size,
                     block_bytes=cfg.block_bytes,
                     action_runs=True,
                     max_others=0,  # the reply's other engines are never read here
@@ -463,10 +417,12 @@ class Gateway:
             self.plan_count.inc()
 
     async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms):
-        cfg = self.config
         ident = self._identity(tenant, job.model, job.tokenizer_id)
-        hashes = ident.identity.hashes(job.tokens, cfg.block_size)
-        call = _Call(request_id, arrived, slo_ms, job, ident, hashes, pack_hashes(hashes))
+        block_size = self.catalog.block_size
+        hashes = ident.identity.hashes(job.tokens, block_size)
+        call = _Call(
+            request_id, arrived, slo_ms, job, ident, hashes, pack_hashes(hashes), block_size
+        )
         self.prepare_sum.inc(time.perf_counter() - arrived)
         self._finishes.hold()  # no Finish competes with this request for its answer
         try:
@@ -621,7 +577,7 @@ class Gateway:
             "tenant_id": ident.identity.tenant_id,
             "adapter_id": ident.identity.adapter_id,
             "cache_salt": ident.identity.cache_salt,
-            "block_size": self.config.block_size,
+            "block_size": call.block_size,
             "hit_blocks": plan.hit_blocks,
             "recompute_blocks": plan.recompute_blocks,
             "fetch": fetch,
@@ -641,14 +597,8 @@ class Gateway:
         if observe and call.packed:
             finish.identity.CopyFrom(call.ident.finish_identity)
             finish.observe_packed_hashes = call.packed
-            finish.observe_block_tokens = self.config.block_size
+            finish.observe_block_tokens = call.block_size
         self._finishes.submit(finish)
-
-
-def _ignore_result(task: asyncio.Task) -> None:
-    """A background refresh's failure is seen by the next request that waits for one."""
-    if not task.cancelled():
-        task.exception()
 
 
 def upstream_body(raw: bytes, payload: dict, ident: _Identity, plan: dict) -> bytes:

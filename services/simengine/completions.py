@@ -69,6 +69,32 @@ class CompletionRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /tokenize`: a prompt's or a chat's token ids, as a request would be."""
+        try:
+            body = await _read_json(request, self.config.max_body_bytes)
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object")
+            chat = "messages" in body
+            if not chat and "prompt" not in body:
+                raise ApiError(400, "'prompt' or 'messages' is required")
+            parsed = parse_request(
+                {**body, "max_tokens": 1, "stream": False},
+                chat=chat,
+                served_model=self.config.model,
+                tokenizer=self.tokenizer,
+                default_max_tokens=1,
+                max_model_len=self.config.max_model_len,
+            )
+        except ApiError as exc:
+            self._requests.inc(endpoint="tokenize", status=str(exc.status))
+            return json_error(exc, self._headers())
+        self._requests.inc(endpoint="tokenize", status="200")
+        tokens = list(parsed.prompts[0])
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": self.config.max_model_len, "tokens": tokens}
+        )
+
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         endpoint = "chat" if chat else "completions"
         try:

@@ -136,9 +136,9 @@ class SimEngineServer:
             capacity_bytes=c.hbm_blocks * c.block_bytes,
             version=VERSION,
             start_time_s=self.started_at,
+            block_size=c.block_size,
             extra={
                 "engine_kind": "mock",
-                "block_size": c.block_size,
                 "hbm_blocks": c.hbm_blocks,
                 "block_bytes": c.block_bytes,
                 "event_encoding": c.event_encoding,
@@ -160,6 +160,7 @@ class SimEngineServer:
                 web.get("/metrics", self.render_metrics),
                 web.get("/sim/stats", self.sim_stats),
                 web.post("/reset_prefix_cache", self.reset_prefix_cache),
+                web.post("/tokenize", self.routes.tokenize),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None)

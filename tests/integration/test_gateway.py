@@ -25,7 +25,7 @@ from quillcache_gateway.server import Gateway
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 MODEL = "sim-model"
-TOKENIZER = "org/sim-tok"  # what the engines' records name, not the local tokenizer's name
+TOKENIZER = "builtin-v1"  # what the sim engine's record names
 PROMPT = "a prompt long enough for a few full blocks of sixteen tokens " * 4
 
 

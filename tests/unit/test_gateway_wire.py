@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import grpc
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import strategies as st
 
 from quillcache.v1 import common_pb2, conductor_pb2
 from quillcache_conductor.kv_translate import EngineEventTranslator
-from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
+from quillcache_core.identity.tokenize import BuiltinTokenizer, HfTokenizer, render_chat
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.decode import decode_batch
 from quillcache_core.process.metrics import MetricsRegistry
@@ -24,6 +23,7 @@ from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.server import Gateway, _Call, _Completion, upstream_body
 from tests.support.vllm_publisher import VllmEventEncoder
+from tests.unit.test_tokenize import train_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -87,7 +87,7 @@ def test_empty_and_unicode_bodies_splice():
 
 def served(gw: Gateway, models: dict[str, str]) -> Gateway:
     """The gateway as if the conductor's Stats had just listed these models' tokenizers."""
-    gw._models = (time.monotonic(), models)
+    gw.catalog.set_served(models)
     return gw
 
 
@@ -127,9 +127,12 @@ def conductor_hashes(record: NodeRecord, tokens: list[int], salt: str) -> tuple[
         ),
     ],
 )
-def test_gateway_and_conductor_derive_the_same_keys_for_one_engine_record(tokenizer, kind, payload):
-    # The engine's record names a tokenizer the gateway's local one is not called
-    # (builtin-v1): the identity is the record's on both sides, so the keys meet.
+def test_gateway_and_conductor_derive_the_same_keys_for_one_engine_record(
+    tokenizer, kind, payload, tmp_path
+):
+    # The engine's record names a tokenizer the gateway's local files are not called
+    # (the gateway knows them as sim-model:tok.json): the identity is the record's on
+    # both sides, so the keys meet.
     record = NodeRecord(
         kind="engine",
         id="e1",
@@ -138,13 +141,15 @@ def test_gateway_and_conductor_derive_the_same_keys_for_one_engine_record(tokeni
         model="sim-model",
         tokenizer=tokenizer,
     )
-    gw = served(gateway(), {record.model: record.tokenizer})
+    local = train_tokenizer(tmp_path / "tok.json")
+    gw = served(with_tokenizer(local), {record.model: record.tokenizer})
     hashes, ident = gateway_hashes(gw, "acme", payload, kind)
     assert len(hashes) >= 5
+    engine_tokenizer = HfTokenizer(local)
     tokens = (
-        BuiltinTokenizer().encode(render_chat(payload["messages"]))
+        engine_tokenizer.encode(render_chat(payload["messages"]))
         if kind == "chat"
-        else BuiltinTokenizer().encode(payload["prompt"])
+        else engine_tokenizer.encode(payload["prompt"])
     )
     theirs, scopes = conductor_hashes(record, tokens, "salty")  # acme's salt reaches vLLM
     assert hashes == theirs
@@ -156,19 +161,28 @@ def test_gateway_and_conductor_derive_the_same_keys_for_one_engine_record(tokeni
     assert gw._identity("acme", "sim-model", tokenizer) is ident  # computed once
 
 
+def with_tokenizer(path: str) -> Gateway:
+    return Gateway(
+        GatewayConfig(
+            conductor="127.0.0.1:1", cache_salts="acme=salty", tokenizers=f"sim-model={path}"
+        )
+    )
+
+
 def test_another_tenant_or_tokenizer_never_meets_those_keys():
+    payload = {"model": "sim-model", "prompt": "a shared system prompt " * 20}
+    gw = served(gateway(), {"sim-model": "builtin-v1"})
+    ours, _ = gateway_hashes(gw, "acme", payload, "completion")
+    tokens = BuiltinTokenizer().encode(payload["prompt"])
     record = NodeRecord(
         kind="engine",
         id="e1",
         address="",
         locality_domain="d0",
         model="sim-model",
-        tokenizer="org/tok",
+        tokenizer="builtin-v1",
     )
-    payload = {"model": "sim-model", "prompt": "a shared system prompt " * 20}
-    gw = served(gateway(), {"sim-model": "org/tok"})
-    ours, _ = gateway_hashes(gw, "acme", payload, "completion")
-    tokens = BuiltinTokenizer().encode(payload["prompt"])
+    assert conductor_hashes(record, tokens, "salty")[0] == ours
     assert conductor_hashes(record, tokens, "globex")[0][0] != ours[0]
     other = NodeRecord(
         kind="engine",

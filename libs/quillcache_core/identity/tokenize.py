@@ -1,15 +1,25 @@
-"""Prompt rendering and tokenization shared by the gateway and the sim engine.
+"""Prompt rendering and tokenization: the token ids an engine computes for a request.
 
-Both sides must produce the same token ids for the same request, or the gateway's
-block hashes would never match what the engine caches. Chat messages are rendered
-with a ChatML-style template (the whole conversation, then the assistant prefix)
-before tokenizing. The tokenizer is a Hugging Face `tokenizers` tokenizer.json when
-one is configured for the model, else a deterministic built-in one (words and
-punctuation, each mapped through BLAKE2b to an id in a 32,000-entry vocabulary).
+The gateway must produce exactly the engine's token ids for a request, or its block
+hashes never match what the engine caches. Three kinds of tokenizer:
+
+- `ModelTokenizer`: a Hugging Face model directory (tokenizer.json, tokenizer_config.json,
+  the chat template), tokenized by vLLM's rules: a completion prompt gets the special
+  tokens its post-processor adds (`add_special_tokens`, default true), a chat is the
+  model's own template rendered (`chat_template`) and tokenized without adding any
+  (default false), as vLLM's OpenAI server does;
+- `HfTokenizer`: a bare tokenizer.json, and
+- `BuiltinTokenizer`: deterministic words and punctuation, each mapped through BLAKE2b
+  to an id in a 32,000-entry vocabulary;
+
+the last two, with the sim engine's ChatML-style rendering (`render_chat`) and no
+special tokens, are what the sim engine computes with the same settings.
+`request_tokens` applies the right rules to an OpenAI request body.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from hashlib import blake2b
@@ -77,15 +87,106 @@ class HfTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
 
+class ModelTokenizer:
+    """A Hugging Face model directory's tokenizer and chat template, by vLLM's rules."""
+
+    def __init__(self, directory: str | Path, name: str | None = None) -> None:
+        from tokenizers import Tokenizer as _HfTokenizer
+
+        from quillcache_core.identity.chat_template import ChatTemplate, special_tokens_of
+
+        directory = Path(directory)
+        try:
+            self._tok = _HfTokenizer.from_file(str(directory / "tokenizer.json"))
+            config_path = directory / "tokenizer_config.json"
+            config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
+            raise InvalidArgument(f"cannot load the tokenizer of {directory}: {exc}") from None
+        source = config.get("chat_template")
+        if isinstance(source, list):  # named templates: vLLM takes "default"
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        jinja = directory / "chat_template.jinja"
+        if not isinstance(source, str) and jinja.exists():
+            source = jinja.read_text()
+        self.template = (
+            ChatTemplate(source, special_tokens_of(config)) if isinstance(source, str) else None
+        )
+        self.directory = directory
+        self.name = name or str(directory)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def chat_ids(self, payload: Mapping) -> list[int]:
+        """A chat request's prompt ids, as vLLM renders and tokenizes it."""
+        if self.template is None:
+            raise InvalidArgument(f"model {self.name} has no chat template: use completions")
+        kwargs = payload.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise InvalidArgument("'chat_template_kwargs' must be an object")
+        text = self.template.render(
+            payload["messages"],
+            tools=_list_or_none(payload.get("tools"), "tools"),
+            documents=_list_or_none(payload.get("documents"), "documents"),
+            add_generation_prompt=_flag(payload, "add_generation_prompt", True),
+            continue_final_message=_flag(payload, "continue_final_message", False),
+            template_kwargs=kwargs,
+        )
+        return self.encode(text, _flag(payload, "add_special_tokens", False))
+
+
+def _flag(payload: Mapping, name: str, default: bool) -> bool:
+    value = payload.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"'{name}' must be a boolean")
+    return value
+
+
+def _list_or_none(value, name: str) -> list | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidArgument(f"'{name}' must be an array")
+    return value
+
+
+def load_tokenizer(path: str | Path, name: str | None = None) -> Tokenizer:
+    """A model directory (tokenizer.json beside its config and template) or a tokenizer.json."""
+    path = Path(path)
+    if path.is_dir():
+        return ModelTokenizer(path, name)
+    return HfTokenizer(path, name)
+
+
 def load_tokenizers(spec: str) -> dict[str, Tokenizer]:
-    """Parse "model=path/tokenizer.json,model2=..." into per-model tokenizers."""
+    """Parse "model=PATH,model2=PATH" (a model directory or a tokenizer.json) per model."""
     out: dict[str, Tokenizer] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         model, sep, path = part.partition("=")
         if not sep or not model or not path:
-            raise InvalidArgument(f"tokenizer spec {part!r} is not model=path/to/tokenizer.json")
-        out[model] = HfTokenizer(path, name=f"{model}:{Path(path).name}")
+            raise InvalidArgument(
+                f"tokenizer spec {part!r} is not model=DIR or model=path/to/tokenizer.json"
+            )
+        out[model] = load_tokenizer(path, name=f"{model}:{Path(path).name}")
     return out
+
+
+def request_tokens(kind: str, payload: Mapping, tokenizer: Tokenizer) -> list[int]:
+    """The prompt ids an engine computes for an OpenAI request body (`kind` "chat" or
+    "completion"; a batch of prompts is planned by its first). Raises InvalidArgument."""
+    if kind == "chat":
+        if isinstance(tokenizer, ModelTokenizer):
+            return tokenizer.chat_ids(payload)
+        return tokenizer.encode(render_chat(payload["messages"]))
+    prompt = payload["prompt"]
+    if isinstance(tokenizer, ModelTokenizer):
+        special = _flag(payload, "add_special_tokens", True)
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt, special)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            return tokenizer.encode(prompt[0], special)
+    return prompt_tokens(prompt, tokenizer)[0]
 
 
 def render_chat(messages: Sequence[Mapping]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
@@ -264,3 +264,89 @@ _Ops = tuple[list[tuple[Any, ...]], bytes, list[EventError]]
 # (a function building the ops, the StoredRun if the batch is one)
 _Made = tuple[Callable[[], list[tuple[Any, ...]]], StoredRun | None]
 _Columnar = tuple[bytes, _Made]  # (packed token ids, _Made)
+
+
+# --- engines whose blocks are larger than the index's -----------------------------------
+
+_SUB_SHIFT = 64  # an int engine key is a u64: derived keys live above it
+
+
+def sub_key(key: EngineKey, part: int) -> EngineKey:
+    """The key of sub-block `part` (every one but the last) of a split engine block.
+
+    Never equal to an engine's own key: an int gets bits above the u64 range, bytes and
+    strings a separator and the part number.
+    """
+    if type(key) is int:
+        return key | ((part + 1) << _SUB_SHIFT)
+    if type(key) is bytes:
+        return key + b"#" + part.to_bytes(2, "big")
+    return f"{key}#{part}"
+
+
+def split_keys(keys: Sequence[EngineKey], parts: int) -> list[EngineKey]:
+    """Each engine block's key as `parts` sub-block keys; the last keeps the engine's key,
+    so a later event naming the block as its parent continues from its last sub-block."""
+    if parts == 1:
+        return list(keys)
+    out: list[EngineKey] = []
+    for key in keys:
+        out.extend(sub_key(key, part) for part in range(parts - 1))
+        out.append(key)
+    return out
+
+
+def split_blocks(batch: BulkBatch, block_tokens: int, engine_block_tokens: int) -> BulkBatch:
+    """The batch in blocks of `block_tokens` tokens, the index's unit.
+
+    An engine block of k * block_tokens tokens (vLLM on CPU keeps 32-token blocks) becomes
+    k chained sub-blocks with keys from `split_keys`; the token ids stay where they are.
+    BlockRemoved names no size, so its keys are split by `engine_block_tokens` (the
+    engine's block size; 0 or `block_tokens` leaves them). A stored block whose size is
+    not a positive multiple of `block_tokens` becomes an error ("block_size") and the
+    rest of the batch still applies. A batch that needs nothing is returned as it is.
+    """
+    removed_parts = max(1, engine_block_tokens // block_tokens) if engine_block_tokens else 1
+    run = batch.run
+    if run is not None and batch._ops is None and run.block_size == block_tokens:  # noqa: SLF001
+        return batch
+    ops = batch.ops
+    sizes = {op[4] for op in ops if op[0] == OP_STORED}
+    if sizes <= {block_tokens} and (removed_parts == 1 or all(op[0] != OP_REMOVED for op in ops)):
+        return batch
+    errors = list(batch.errors)
+    out: list[tuple[Any, ...]] = []
+    for op in ops:
+        kind = op[0]
+        if kind == OP_STORED:
+            _, index, keys, parent, size, tier, group, lora, salt, start = op
+            if size <= 0 or size % block_tokens:
+                errors.append(
+                    EventError(
+                        index,
+                        "block_size",
+                        f"engine block of {size} tokens is not a multiple of the index's "
+                        f"{block_tokens}",
+                    )
+                )
+                continue
+            parts = size // block_tokens
+            out.append(
+                (
+                    OP_STORED,
+                    index,
+                    split_keys(keys, parts),
+                    parent,
+                    block_tokens,
+                    tier,
+                    group,
+                    lora,
+                    salt,
+                    start,
+                )
+            )
+        elif kind == OP_REMOVED:
+            out.append((OP_REMOVED, op[1], split_keys(op[2], removed_parts), *op[3:]))
+        else:
+            out.append(op)
+    return BulkBatch(batch.ts, batch.dp_rank, out, batch.tokens, errors, run=_run_of(out))

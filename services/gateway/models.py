@@ -1,0 +1,207 @@
+"""What the gateway knows of the models its engines serve, and how it tokenizes for them.
+
+From the conductor's Stats (at most once a second; a known model never waits for a
+refresh): which models live engines serve, the tokenizer their registry records name
+(the identity's), their base URLs, and the conductor's index block size. For a model it
+finds the local tokenizer whose ids are the engine's, or has an engine tokenize
+(vLLM's `POST /tokenize`) when there is none here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.identity.tokenize import (
+    BuiltinTokenizer,
+    ModelTokenizer,
+    Tokenizer,
+    load_tokenizers,
+    prompt_tokens,
+)
+from quillcache_gateway.errors import ApiError
+from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamPool
+
+logger = logging.getLogger(__name__)
+
+MODELS_TTL_S = 1.0
+MAX_TOKENIZERS = 4096
+# A chat request's fields vLLM's /tokenize also reads (it renders the same template).
+TOKENIZE_CHAT_FIELDS = (
+    "tools",
+    "documents",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template_kwargs",
+    "chat_template",
+)
+
+
+class ModelCatalog:
+    """Served models, their tokenizers and the index block size, from the conductor."""
+
+    def __init__(
+        self,
+        tokenizers_spec: str,
+        block_size: int,
+        timeout_s: float,
+        stats: Callable[[], conductor_pb2_grpc.ConductorStub],
+        upstream: Callable[[], UpstreamPool],
+    ) -> None:
+        self.tokenizers: dict[str, Tokenizer] = load_tokenizers(tokenizers_spec)
+        self.builtin = BuiltinTokenizer()
+        self.timeout_s = timeout_s
+        # Tokens a block, as the conductor's index keeps them (its Stats say; the
+        # configured --block-size until they do).
+        self.block_size = block_size
+        self._stats = stats
+        self._upstream = upstream
+        # model -> the tokenizer its engines' records name ("" = the model's own)
+        self._models: tuple[float, dict[str, str]] = (-MODELS_TTL_S, {})
+        self._refresh: asyncio.Task | None = None
+        self._model_urls: dict[str, list[str]] = {}
+        # Record tokenizer id -> its local files (None: ask an engine's /tokenize).
+        self._record_tokenizers: dict[str, Tokenizer | None] = {}
+        self._turn = itertools.count()
+
+    def set_served(self, models: dict[str, str], urls: dict[str, list[str]] | None = None) -> None:
+        """As if the conductor had just listed these (tests, and the fetch below)."""
+        self._model_urls = urls or {}
+        self._models = (time.monotonic(), models)
+
+    async def served_models(self) -> dict[str, str]:
+        """Models the live engines serve ("" present = some engine serves any model).
+
+        Fetched from the conductor at most once a second, and waited for only when the
+        last answer is older than that: `served_tokenizer` refreshes in the background instead.
+        """
+        fetched_at, models = self._models
+        if time.monotonic() - fetched_at < MODELS_TTL_S:
+            return models
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.get_running_loop().create_task(self._fetch())
+        return await asyncio.shield(self._refresh)
+
+    async def _fetch(self) -> dict[str, str]:
+        try:
+            stats = await self._stats().Stats(conductor_pb2.StatsRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise ApiError(
+                503, f"conductor unavailable: {exc.details()}", type_="service_unavailable"
+            ) from None
+        if stats.block_tokens and stats.block_tokens != self.block_size:
+            logger.info("conductor's index blocks are %d tokens: hashing so", stats.block_tokens)
+            self.block_size = stats.block_tokens
+        models: dict[str, str] = {}
+        urls: dict[str, list[str]] = {}
+        for engine in stats.engines:  # the first engine's record names the model's tokenizer
+            models.setdefault(engine.model, engine.tokenizer)
+            if engine.base_url:
+                urls.setdefault(engine.model, []).append(engine.base_url)
+        self.set_served(models, urls)
+        return models
+
+    async def served_tokenizer(self, model: str) -> str | None:
+        """The tokenizer id the records of `model`'s engines name ("" = the model's own),
+        None when no engine serves it; a known model does not wait for a refresh."""
+        fetched_at, models = self._models
+        if model in models or "" in models:
+            if time.monotonic() - fetched_at >= MODELS_TTL_S and (
+                self._refresh is None or self._refresh.done()
+            ):
+                task = asyncio.get_running_loop().create_task(self._fetch())
+                task.add_done_callback(_ignore_result)
+                self._refresh = task
+            return models.get(model, models.get(""))
+        served = await self.served_models()
+        return served.get(model, served.get(""))
+
+    def tokenizer_for(self, model: str, tokenizer_id: str) -> Tokenizer | None:
+        """The local tokenizer for a model served under `tokenizer_id` (its engines' record),
+        or None when there is none here and an engine must tokenize.
+
+        In order: the gateway's --tokenizers entry for the model; the built-in one when
+        the record names it (the sim engine's); the model directory the record names (or
+        the model, when it names no tokenizer), if it exists on this host.
+        """
+        configured = self.tokenizers.get(model)
+        if configured is not None:
+            return configured
+        if tokenizer_id == self.builtin.name:
+            return self.builtin
+        name = tokenizer_id or model
+        if name in self._record_tokenizers:
+            return self._record_tokenizers[name]
+        found = None
+        path = Path(name)
+        if path.is_dir() and (path / "tokenizer.json").exists():
+            try:
+                found = ModelTokenizer(path, name=name)
+            except InvalidArgument as exc:
+                logger.warning("cannot use the tokenizer at %s (%s): engines tokenize", name, exc)
+        if len(self._record_tokenizers) >= MAX_TOKENIZERS:
+            self._record_tokenizers.clear()
+        self._record_tokenizers[name] = found
+        return found
+
+    async def engine_tokens(self, model: str, payload: dict, kind: str) -> list[int]:
+        """The prompt ids from an engine serving `model` (vLLM's POST /tokenize)."""
+        urls = self._model_urls.get(model) or self._model_urls.get("") or []
+        if not urls:
+            raise ApiError(
+                503, f"no engine to tokenize for model {model!r}", type_="service_unavailable"
+            )
+        body: dict = {"model": model}
+        if kind == "chat":
+            body["messages"] = payload["messages"]
+            body["add_generation_prompt"] = payload.get("add_generation_prompt", True)
+            for name in TOKENIZE_CHAT_FIELDS:
+                if name in payload:
+                    body[name] = payload[name]
+        else:
+            prompt = payload["prompt"]
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                prompt = prompt[0]  # a batch is planned by its first prompt
+            if not isinstance(prompt, str):
+                return prompt_tokens(prompt, self.builtin)[0]  # token ids: used as given
+            body["prompt"] = prompt
+            if "add_special_tokens" in payload:
+                body["add_special_tokens"] = payload["add_special_tokens"]
+        url = urls[next(self._turn) % len(urls)]
+        try:
+            reply = await self._upstream().post(url, "/tokenize", json.dumps(body).encode(), b"")
+            try:
+                raw = await reply.read_all()
+            finally:
+                reply.release()
+        except UPSTREAM_ERRORS as exc:
+            raise ApiError(
+                502, f"engine {url} could not tokenize: {exc}", type_="upstream_error"
+            ) from None
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if reply.status != 200 or not isinstance(tokens, list):
+            if reply.status in (400, 413, 422):  # the engine refused the request itself
+                message = answer.get("message") if isinstance(answer, dict) else None
+                raise ApiError(400, f"the engine refused the prompt: {message or raw[:200]!r}")
+            raise ApiError(
+                502, f"engine {url} /tokenize answered {reply.status}", type_="upstream_error"
+            )
+        return tokens
+
+
+def _ignore_result(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
