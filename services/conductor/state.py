@@ -104,6 +104,8 @@ class ConductorState:
         self.max_blocks_per_request = max_blocks_per_request
         # The index's block size in tokens; engines with larger blocks are split into it.
         self.block_tokens = block_tokens
+        # Engines whose blocks are several of ours -> how many (only those > 1).
+        self.block_parts: dict[str, int] = {}
         self.engines: dict[str, EngineInfo] = {}
         self.stores: dict[str, NodeRecord] = {}
         self.reservations: dict[str, Reservation] = {}
@@ -146,7 +148,15 @@ class ConductorState:
             info.state.hbm_capacity_bytes = record.capacity_bytes
         if restarted:
             info.state.resident_blocks = 0
+        self._update_block_parts()
         return restarted
+
+    def _update_block_parts(self) -> None:
+        self.block_parts = {
+            engine: parts
+            for engine in self.engines
+            if (parts := self.engine_block_parts(engine)) > 1
+        }
 
     def _new_run(self, record: NodeRecord) -> bool:
         epoch = record.start_time_s
@@ -177,6 +187,7 @@ class ConductorState:
         """Forget an engine: its residency is dropped and no plan names it again."""
         self._fleets.clear()
         self.engines.pop(engine_id, None)
+        self._update_block_parts()
         dropped = self.index.clear_worker(engine_id)
         for res_id in [r.id for r in self.reservations.values() if r.engine_id == engine_id]:
             self._forget_optimistic(self.reservations.pop(res_id))
@@ -223,7 +234,15 @@ class ConductorState:
         now = self.clock()
         self._release_due(now)
         fleet = self._fleet(request.model_id, exclude)
-        decision = plan_request(self.index, self.policy, request, fleet, self.rng, self.optimistic)
+        decision = plan_request(
+            self.index,
+            self.policy,
+            request,
+            fleet,
+            self.rng,
+            self.optimistic,
+            self.block_parts,
+        )
         self.counters.plans += 1
         self.counters.guard_refusals += len(decision.refusals)
         worker = decision.engine

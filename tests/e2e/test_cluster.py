@@ -546,3 +546,50 @@ def test_an_engine_registered_with_its_own_tokenizer_id_gets_hits_from_its_event
         assert full_blocks - 1 <= hits <= full_blocks, (hits, full_blocks)
     finally:
         lc.stop()
+
+
+def test_engines_with_32_and_16_token_blocks_in_one_fleet_both_get_their_hits(tmp_path):
+    """The conductor's index keeps 16-token blocks; an engine with 32-token blocks (vLLM on
+    CPU) reports them split, and is planned only whole blocks of its own size."""
+    lc = LocalCluster(
+        tmp_path / "cluster",
+        engines=2,
+        stores=1,
+        time_scale=0.02,
+        log=lambda *_: None,
+        engine_options={0: {"sim_args": ["--block-size", "32"]}},
+    )
+    endpoints = lc.start()
+    try:
+        tokenizer = BuiltinTokenizer()
+        for engine, (url, size) in enumerate(zip(endpoints["engines"], (32, 16), strict=True)):
+            messages = [
+                {"role": "system", "content": f"Engine {engine} keeps {size}-token blocks. " * 9},
+                {"role": "user", "content": "Which blocks are mine?"},
+            ]
+            tokens = len(tokenizer.encode(render_chat(messages)))
+            body = {"model": MODEL, "messages": messages, "max_tokens": 2, "cache_salt": "acme"}
+            request = urllib.request.Request(
+                url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                assert reply.status == 200
+            expected = tokens // size * size // 16  # whole engine blocks, in 16-token blocks
+
+            async def resident(engine_id: str = f"engine-{engine}") -> int:
+                async with grpc.aio.insecure_channel(endpoints["conductor"]) as channel:
+                    stats = await conductor_pb2_grpc.ConductorStub(channel).Stats(
+                        conductor_pb2.StatsRequest(), timeout=5
+                    )
+                return next(e.resident_blocks for e in stats.engines if e.engine_id == engine_id)
+
+            wait_until(lambda n=expected: asyncio.run(resident()) >= n, timeout_s=20)
+            first = client_for(endpoints).chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=2
+            )
+            assert first.headers["x-quillcache-engine"] == f"engine-{engine}"
+            assert int(first.headers["x-quillcache-hit-blocks"]) == expected, (size, tokens)
+    finally:
+        lc.stop()

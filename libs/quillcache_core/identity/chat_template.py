@@ -11,8 +11,9 @@ trim_blocks and lstrip_blocks, loop controls, its `tojson`, `raise_exception` an
   with newlines), as vLLM's "auto" content format detects;
 - assistant tool calls' `arguments` strings are parsed into objects, as vLLM does
   before rendering, so `tojson` writes them the way the engine's template did;
-- `tools`, `documents`, `add_generation_prompt` (default true), `continue_final_message`
-  and the request's `chat_template_kwargs`.
+- `tools` in vLLM's validated shape (`{"type", "function": {"name", "description",
+  "parameters"}}`, unset optional fields as null), `documents`, `add_generation_prompt`
+  (default true), `continue_final_message` and the request's `chat_template_kwargs`.
 
 The rendered text is tokenized without adding special tokens (the template writes
 them), as vLLM does for chat.
@@ -30,7 +31,9 @@ from typing import Any
 from quillcache_core.errors import InvalidArgument
 
 # A `{% for x in message['content'] %}`-like loop: the template reads content parts.
-_CONTENT_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)\b")
+_CONTENT_LOOP = re.compile(
+    r"\{%-?\s*for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content(?!\w))"
+)
 _RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
 
 
@@ -89,7 +92,7 @@ class ChatTemplate:
         try:
             text = self._template.render(
                 messages=prepared,
-                tools=list(tools) if tools else None,
+                tools=[_tool(t, i) for i, t in enumerate(tools)] if tools else None,
                 documents=list(documents) if documents else None,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
@@ -148,6 +151,27 @@ class ChatTemplate:
                 return parts
             return "\n".join(p["text"] for p in parts)
         raise InvalidArgument(f"messages[{index}].content must be a string or an array of parts")
+
+
+def _tool(tool: Any, index: int) -> dict:
+    """A tool as vLLM hands it to the template: its request model, dumped."""
+    function = tool.get("function") if isinstance(tool, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidArgument(f"tools[{index}].function must be an object with a string name")
+    if tool.get("type", "function") != "function":
+        raise InvalidArgument(f"tools[{index}].type must be 'function'")
+    out_function = {
+        "name": function["name"],
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    for optional in ("strict", "defer_loading"):
+        if function.get(optional) is not None:
+            out_function[optional] = function[optional]
+    out = {"type": "function", "function": out_function}
+    if tool.get("defer_loading") is not None:
+        out["defer_loading"] = tool["defer_loading"]
+    return out
 
 
 def _parsed_tool_calls(calls: Any, index: int) -> list:

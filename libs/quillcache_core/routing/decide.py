@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from quillcache_core.index.base import IndexBackend
 from quillcache_core.model import CacheResidency, CacheTier, RequestShape
@@ -18,6 +18,7 @@ def plan_request(
     fleet: Fleet,
     rng: random.Random,
     overlay: Mapping[str, list[CacheResidency]] | None = None,
+    block_parts: Mapping[str, int] | None = None,
 ) -> PlanDecision:
     """Look up only this request's blocks, refuse other identities, then choose.
 
@@ -26,8 +27,13 @@ def plan_request(
     records), by block hash. The lookup stops at the first block held nowhere: a
     chained prefix cannot be reused past it, so the policies never look further
     (`decision.usable` is then shorter than the request's blocks).
+    `block_parts` names the engines whose own blocks are several of the request's
+    (an engine with 32-token blocks under a 16-token index: 2); their copies count only
+    in whole engine blocks (`whole_engine_blocks`).
     """
     located = index.locate_prefix([key.block_hash for key in request.blocks], overlay)
+    if block_parts:
+        located = whole_engine_blocks(located, block_parts)
     audit = audit_reuse(request.scope(), located)
     decision = policy.plan(request, audit.usable, fleet, rng)
     decision.refusals = audit.refusals
@@ -53,3 +59,43 @@ def record_optimistic(
             new.append(key)
     index.put_many(CacheResidency(key, engine, hbm, nbytes) for key in new)
     return [key.block_hash for key in new]
+
+
+def whole_engine_blocks(
+    located: Sequence[Sequence[CacheResidency]], block_parts: Mapping[str, int]
+) -> list[Sequence[CacheResidency]]:
+    """`located` without the copies an engine cannot reuse: past the last whole block of
+    its own size in its prefix of copies.
+
+    An engine block of k index blocks is cached as one: its first sub-block can match a
+    request while the rest does not (vLLM's last block of a request holds generated
+    tokens too), and the engine can reuse none of it. So an engine with k > 1 keeps its
+    copies of blocks [0, floor(h / k) * k), h being how many leading blocks it holds.
+    """
+    cut: dict[str, int] = {}
+    for engine, parts in block_parts.items():
+        if parts <= 1:
+            continue
+        held = 0
+        for found in located:
+            if not any(r.worker_id == engine and r.tier is CacheTier.HBM for r in found):
+                break
+            held += 1
+        if held % parts:
+            cut[engine] = held - held % parts
+    if not cut:
+        return list(located)
+    out: list[Sequence[CacheResidency]] = []
+    for position, found in enumerate(located):
+        if any(r.worker_id in cut and position >= cut[r.worker_id] for r in found):
+            found = [
+                r
+                for r in found
+                if not (
+                    r.worker_id in cut and position >= cut[r.worker_id] and r.tier is CacheTier.HBM
+                )
+            ]
+        if not found:
+            break  # as locate_prefix: the usable prefix ends at a block held nowhere
+        out.append(found)
+    return out

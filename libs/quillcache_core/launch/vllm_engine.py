@@ -1,0 +1,81 @@
+"""How `quillcache up --engine vllm` (and the tests) start a real vLLM engine on CPU.
+
+The flags are the plain `vllm serve` ones an operator would use (README, "Real vLLM
+engines"): prefix caching, KV events over ZMQ with a replay socket, prompt-token details
+in usage (cached tokens), and vLLM's CPU constraints (a block size that is a multiple of
+32, eager mode to start faster). The engine then joins the fleet through
+`quillcache register-engine`, as an engine started by hand would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+# vLLM on CPU refuses a block size that is not a multiple of 32.
+VLLM_CPU_BLOCK_SIZE = 32
+
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache per engine
+    "HF_HUB_OFFLINE": "1",  # the model is a local directory: never ask a hub
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_args(
+    model_dir: Path,
+    served_model: str,
+    *,
+    port: int,
+    events_port: int,
+    replay_port: int,
+    block_size: int = VLLM_CPU_BLOCK_SIZE,
+    max_model_len: int = 2048,
+    extra: list[str] | None = None,
+) -> list[str]:
+    """The server's arguments after `python -m vllm.entrypoints.openai.api_server`.
+
+    vLLM's publisher must bind a wildcard (`tcp://*:P`): bound to 127.0.0.1 it connects
+    instead, and a subscriber hears nothing.
+    """
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": "kv",
+    }
+    return [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prompt-tokens-details",
+        "--enforce-eager",
+        "--kv-events-config",
+        json.dumps(events),
+        *(extra or []),
+    ]
+
+
+def serve_env() -> dict[str, str]:
+    return {**os.environ, **VLLM_ENV}
