@@ -7,8 +7,8 @@ batch `{"ts", "events", "data_parallel_rank"}`: both are in the wild.
 
 `KvEventPublisher` adds vLLM's sockets: a PUB socket sending 3 frames per batch (topic,
 8-byte big-endian sequence from 0, msgpack payload) and a ROUTER replay socket that
-answers a start sequence (8-byte BE) with (seq, payload) for every buffered batch at or
-after it, then (-1 as signed 8-byte BE, b"").
+answers a start sequence (8-byte BE) with (topic, seq, payload) for every buffered batch
+at or after it, then (b"", -1 as signed 8-byte BE, b""), as vLLM's does.
 """
 
 from __future__ import annotations
@@ -230,8 +230,11 @@ class KvEventPublisher:
             client, _empty, start_bytes = frames
             start = int.from_bytes(start_bytes, "big", signed=True)
             for seq, payload in self.buffered(start):
-                await router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            await router.send_multipart([client, b"", END_SEQ, b""])
+                # vLLM's frames: the topic, then the live socket's two
+                await router.send_multipart(
+                    [client, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                )
+            await router.send_multipart([client, b"", b"", END_SEQ, b""])
             self.replays_served += 1
             log.debug("replayed from %d to a subscriber", start)
 

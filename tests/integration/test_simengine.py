@@ -243,7 +243,8 @@ async def chat(session: aiohttp.ClientSession, url: str, messages, salt=None, **
 
 
 async def replay_from(endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    """Ask a replay socket as vLLM's clients do: (seq, payload)... until seq -1."""
+    """Ask a replay socket as vLLM's clients do; vLLM answers (b"", topic, seq, payload)
+    per batch, then (b"", b"", -1, b"")."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -253,10 +254,10 @@ async def replay_from(endpoint: str, start: int) -> list[tuple[int, bytes]]:
         await sock.send_multipart([b"", start.to_bytes(8, "big")])
         while True:
             assert await sock.poll(5000), "no replay answer"
-            _empty, seq, payload = await sock.recv_multipart()
+            _empty, topic, seq, payload = await sock.recv_multipart()
             seq_no = int.from_bytes(seq, "big", signed=True)
             if seq_no == -1:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 return out
             out.append((seq_no, payload))
     finally:

@@ -110,6 +110,7 @@ class Harness:
         self.translator = EngineEventTranslator(self.index, ENGINE, MODEL, TOKENIZER)
         self.results: list[tuple[int, ApplyResult]] = []
         self.errors: list[tuple[str, int | None, str, str]] = []
+        self.lost_resets: list[int] = []  # records dropped at each loss
         self.sub = EngineSubscriber(
             ENGINE,
             pub.endpoint,
@@ -117,6 +118,7 @@ class Harness:
             on_batch=self.on_batch,
             on_error=self.on_error,
             on_reset=lambda engine_id: self.translator.reset(),
+            on_lost=lambda engine_id, missing: self.lost_resets.append(self.translator.reset()),
         )
 
     def on_batch(self, engine_id: str, seq: int, batch: DecodedBatch) -> None:
@@ -342,7 +344,11 @@ def test_what_the_replay_buffer_no_longer_holds_is_reported_lost():
             harness = _in_process_harness(publisher)
             harness.sub.start()
             try:
-                last = await _go_live(publisher, harness)
+                await _go_live(publisher, harness)
+                before = prompt(10, 1)
+                last = publisher.publish([enc.stored_event(before)])
+                await until(lambda: harness.sub.last_seq == last, "a stored batch")
+                assert harness.holds(before, None)
                 dropped = [prompt(20 + i, 1) for i in range(3)]
                 publisher.drop.update({last + 1, last + 2, last + 3})
                 for tokens in dropped:
@@ -354,6 +360,9 @@ def test_what_the_replay_buffer_no_longer_holds_is_reported_lost():
                 assert "events_lost" in [e[2] for e in harness.errors]
                 assert not harness.holds(dropped[0], None) and harness.holds(dropped[2], None)
                 assert harness.holds(prompt(30, 1), None)
+                # What was known before the loss is no longer trusted: it went, once.
+                assert len(harness.lost_resets) == 1 and harness.lost_resets[0] > 0
+                assert not harness.holds(before, None)
             finally:
                 await harness.sub.stop()
 

@@ -22,8 +22,8 @@ LoRA name (or None).
 
 `VllmStylePublisher` adds the sockets: a PUB bound to a free loopback port sending
 (topic, 8-byte BE sequence from 0, payload), and a ROUTER replay socket (served by a
-background thread) that answers a start sequence with every buffered batch at or after
-it, then (-1, b""). Sequences listed in `drop` (or armed with `skip_next`) are
+background thread) that answers a start sequence with (topic, seq, payload) for every
+buffered batch at or after it, then (b"", -1, b""), vLLM's frames. Sequences listed in `drop` (or armed with `skip_next`) are
 buffered but never sent live, to force a gap.
 
 Run as a script for integration tests: it prints `READY <pub> <replay>` and then reads
@@ -348,8 +348,10 @@ class VllmStylePublisher:
             with self._lock:
                 pending = [(s, p) for s, p in self._buffer if s >= start]
             for seq, payload in pending:
-                self._router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            self._router.send_multipart([client, b"", END_SEQ, b""])
+                self._router.send_multipart(
+                    [client, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                )
+            self._router.send_multipart([client, b"", b"", END_SEQ, b""])
             self.replays_served += 1
 
     def close(self) -> None:
