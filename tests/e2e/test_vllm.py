@@ -69,8 +69,14 @@ def fleet(env, tmp_path_factory):
         engine_kind="vllm",
         model=BIG,
         engine_options={
-            0: {"events_port": events_port, "kv_events_endpoint": f"tcp://127.0.0.1:{relay_port}"},
+            # vLLM's own cache is what these checks follow: no pool connector.
+            0: {
+                "events_port": events_port,
+                "kv_events_endpoint": f"tcp://127.0.0.1:{relay_port}",
+                "connector": False,
+            },
             1: {
+                "connector": False,
                 "model": SMALL,
                 "tokenizer": "",
                 "vllm_args": [
@@ -98,7 +104,9 @@ def client(endpoints, tenant: str = "acme") -> openai.OpenAI:
     )
 
 
-def ask(endpoints, kind: str, model: str, content: str, *, tenant: str = "acme", **extra):
+def ask(
+    endpoints, kind: str, model: str, content: str, *, tenant: str = "acme", max_tokens: int = 4
+):
     """One greedy request through the gateway: (plan headers, OpenAI response)."""
     c = client(endpoints, tenant)
     if kind == "chat":
@@ -108,13 +116,12 @@ def ask(endpoints, kind: str, model: str, content: str, *, tenant: str = "acme",
                 {"role": "system", "content": content},
                 {"role": "user", "content": "Which engine holds this prompt?"},
             ],
-            max_tokens=4,
+            max_tokens=max_tokens,
             temperature=0,
-            **extra,
         )
     else:
         raw = c.completions.with_raw_response.create(
-            model=model, prompt=content, max_tokens=4, temperature=0, **extra
+            model=model, prompt=content, max_tokens=max_tokens, temperature=0
         )
     return raw.headers, raw.parse()
 

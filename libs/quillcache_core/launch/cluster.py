@@ -79,8 +79,8 @@ class LocalCluster:
         (`vllm_env`) serving `vllm_model_dir` (default: the tiny model) as `model`.
         `engine_options[i]` overrides engine i: "model" (served name), "vllm_args"
         (extra server flags), "tokenizer" (its record's), "events_port", and
-        "kv_events_endpoint" (registered instead of the engine's own, e.g. a proxy); a
-        sim engine's "sim_args" (extra flags)."""
+        "kv_events_endpoint" (registered instead of the engine's own, e.g. a proxy),
+        "connector" (False: no QuillCache KV connector); a sim engine's "sim_args"."""
         if engine_kind not in ("sim", "vllm"):
             raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
         if engines < 1 or stores < 1:
@@ -206,6 +206,11 @@ class LocalCluster:
                 **{s.name: s.fields["metrics"] + "/metrics" for s in stores},
                 "transfer": transfer.fields["metrics"] + "/metrics",
                 **{e.name: e.fields["http"] + "/metrics" for e in engines},
+                **{
+                    f"{e.name}-connector": e.fields["connector_metrics"]
+                    for e in engines
+                    if "connector_metrics" in e.fields
+                },
             },
             "api_keys": dict(self.api_keys),
         }
@@ -275,6 +280,7 @@ class LocalCluster:
         port = vllm_engine.free_port()
         events_port = options.get("events_port") or vllm_engine.free_port()
         replay_port = vllm_engine.free_port()
+        connector_metrics = vllm_engine.free_port()
         name = f"engine-{i}"
         argv = env.serve_command(model_dir)[:-2] + vllm_engine.serve_args(
             model_dir,
@@ -282,6 +288,15 @@ class LocalCluster:
             port=port,
             events_port=events_port,
             replay_port=replay_port,
+            connector=None
+            if options.get("connector") is False
+            else {
+                "store": store.fields["grpc"],
+                "model": served,
+                "tokenizer": options.get("tokenizer", str(model_dir)),
+                "index_block_tokens": 16,
+                "metrics_port": connector_metrics,
+            },
             extra=options.get("vllm_args"),
         )
         child = Child(name, "vllm", argv, self.data_dir / "logs" / f"{name}.log")
@@ -333,6 +348,7 @@ class LocalCluster:
             ],
             timeout_s,
         )
+        child.fields["connector_metrics"] = f"http://127.0.0.1:{connector_metrics}/metrics"
         child.fields["events"] = f"tcp://127.0.0.1:{events_port}"
         child.fields["replay"] = f"tcp://127.0.0.1:{replay_port}"
         return child

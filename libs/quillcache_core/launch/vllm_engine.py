@@ -41,12 +41,15 @@ def serve_args(
     replay_port: int,
     block_size: int = VLLM_CPU_BLOCK_SIZE,
     max_model_len: int = 2048,
+    connector: dict | None = None,
     extra: list[str] | None = None,
 ) -> list[str]:
     """The server's arguments after `python -m vllm.entrypoints.openai.api_server`.
 
     vLLM's publisher must bind a wildcard (`tcp://*:P`): bound to 127.0.0.1 it connects
-    instead, and a subscriber hears nothing.
+    instead, and a subscriber hears nothing. `connector` is the QuillCache KV connector's
+    extra config (`store`, `model`, `tokenizer`, ...; see `connector_config`), None for
+    an engine without one.
     """
     events = {
         "enable_kv_cache_events": True,
@@ -73,8 +76,21 @@ def serve_args(
         "--enforce-eager",
         "--kv-events-config",
         json.dumps(events),
+        *(["--kv-transfer-config", json.dumps(connector_config(connector))] if connector else []),
         *(extra or []),
     ]
+
+
+def connector_config(extra: dict) -> dict:
+    """vLLM's --kv-transfer-config loading `quillcache_vllm.connector.QuillCacheConnector`."""
+    return {
+        "kv_connector": "QuillCacheConnector",
+        "kv_connector_module_path": "quillcache_vllm.connector",
+        "kv_role": "kv_both",
+        # A block the pool cannot deliver is recomputed, never a failed request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 def serve_env() -> dict[str, str]:

@@ -8,6 +8,9 @@
   machine's local wheel folder; the registry's torchvision, torchaudio and torchcodec
   are CUDA builds that break transformers beside it, and text serving needs none of
   them, so they are removed.
+- this checkout's QuillCache in it (for the KV connector vLLM loads,
+  `quillcache_vllm.connector`): its dependencies once (none of vLLM's pins move), then
+  the code again, without dependencies, whenever the checkout's sources changed;
 - the model: a tiny random-weight Llama with a locally trained tokenizer and a chat
   template (`tiny_model.py`, run with the environment's python), built once into
   `$QC_VLLM_MODEL` (default `~/.cache/quillcache/tiny-llama-v1`); the same seed gives the
@@ -19,6 +22,7 @@ Nothing here is imported by the runtime's request path: the launcher and the tes
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -95,6 +99,41 @@ def find(*, build_model: bool = False) -> VllmEnv | None:
     return VllmEnv(python, directory)
 
 
+def checkout_root() -> Path | None:
+    """The checkout this code runs from (None for an installed, non-editable copy)."""
+    root = Path(__file__).resolve().parents[3]
+    return root if (root / "pyproject.toml").exists() and (root / "libs").is_dir() else None
+
+
+def _sources_digest(root: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for folder in ("libs", "services", "protos"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.suffix in (".py", ".proto", ".pyi") and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    digest.update((root / "pyproject.toml").read_bytes())
+    return digest.hexdigest()
+
+
+def sync_project(python: Path, log=print) -> None:
+    """Install this checkout into the vLLM environment if what it holds is another copy."""
+    root = checkout_root()
+    if root is None:
+        return  # an installed QuillCache: install it into vLLM's environment by hand
+    stamp = python.parent.parent / "quillcache-sources.txt"
+    digest = _sources_digest(root)
+    if stamp.exists() and stamp.read_text().strip() == digest:
+        return
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    if not stamp.exists():
+        log("installing QuillCache's dependencies into the vLLM environment")
+        subprocess.run([*pip, str(root)], check=True, cwd=root)
+    log("installing this checkout's QuillCache into the vLLM environment")
+    subprocess.run([*pip, "--no-deps", "--force-reinstall", str(root)], check=True, cwd=root)
+    stamp.write_text(digest)
+
+
 def ensure(log=print) -> VllmEnv:
     """Make the environment and the model where missing; returns them. Raises on failure."""
     venv, python = venv_dir(), _python(venv_dir())
@@ -117,6 +156,7 @@ def ensure(log=print) -> VllmEnv:
     if not _model_ready(directory):
         log(f"building the tiny model into {directory}")
         subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(directory)], check=True)
+    sync_project(python, log)
     return VllmEnv(python, directory)
 
 

@@ -1,0 +1,1 @@
+"""What runs inside vLLM: the QuillCache KV connector (`connector.QuillCacheConnector`) and its pool client."""

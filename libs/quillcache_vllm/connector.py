@@ -1,0 +1,284 @@
+"""`QuillCacheConnector`: vLLM's KV-connector API (KVConnectorBase_V1) over the QuillCache pool.
+
+Loaded by vLLM with
+
+    --kv-transfer-config '{"kv_connector": "QuillCacheConnector",
+      "kv_connector_module_path": "quillcache_vllm.connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"store": "HOST:PORT", "model": "tiny",
+        "tokenizer": "/models/tiny", "index_block_tokens": 16, "metrics_port": 9400}}'
+
+(`store`: the engine's store node, gRPC; `model` and `tokenizer` as the engine's registry
+record names them; `metrics_port`: the worker's counters at /metrics, 0 = none;
+`max_pending_bytes`: the save queue's bound.)
+
+vLLM builds one instance in its scheduler and one in its worker.
+
+Blocks are keyed as the conductor indexes them: `block_identity(model, tokenizer,
+cache_salt=the request's, adapter_id=its LoRA)` over the prompt in blocks of
+`index_block_tokens` (the conductor's index block), so an engine block of 32 tokens is two
+store blocks. A store block holds, for every attention layer in order, that block's
+slice of the layer's paged KV tensor ([kv_heads, tokens, ...] as the layer keeps it).
+
+Scheduler side: `get_num_new_matched_tokens` counts the prompt's leading blocks the pool
+holds beyond vLLM's own cache (this engine's store node, plus the blocks the gateway's
+plan says are fetchable from a peer), in whole engine blocks, never the prompt's last
+token; the metadata of each step tells the worker which allocated blocks to load and
+which newly computed full blocks to save.
+
+Worker side: loads run before the forward pass (synchronously: a block that cannot be
+loaded, missing, corrupt or unreachable, is reported through
+`get_block_ids_with_load_errors` and vLLM recomputes it: never a wrong token); saves copy
+the computed blocks out of the paged cache after the forward pass and hand them to a
+bounded background writer (`pool.Pool`), which drops and counts rather than block.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from quillcache_core.identity.keys import block_identity
+from quillcache_core.model import KvBlockKey
+from quillcache_vllm import metrics
+from quillcache_vllm.pool import Pool
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+PLAN_FIELD = "quillcache"  # the gateway's plan in a request's kv_transfer_params
+
+
+@dataclass
+class BlockTransfer:
+    """One engine block: its id in the paged cache and its store keys (one per index block)."""
+
+    block_id: int
+    keys: list[KvBlockKey]
+
+
+@dataclass
+class QuillCacheMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side follows until it finishes."""
+
+    keys: list[KvBlockKey]  # the prompt's full index blocks
+    held: int  # leading index blocks the pool holds (at lookup)
+    local: int = 0  # tokens vLLM had cached itself (at lookup)
+    load_from: int = 0  # engine blocks [load_from, load_to) come from the pool
+    load_to: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    saved_to: int = 0  # engine blocks below this are in the pool or queued
+
+
+class QuillCacheConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.block_size = vllm_config.cache_config.block_size
+        self.index_block = int(extra.get("index_block_tokens", 16))
+        if self.block_size % self.index_block:
+            raise ValueError(
+                f"vLLM's block size {self.block_size} is not a multiple of the index's "
+                f"{self.index_block} tokens"
+            )
+        self.parts = self.block_size // self.index_block
+        self.model = str(extra.get("model") or vllm_config.model_config.served_model_name)
+        self.tokenizer = str(extra.get("tokenizer", ""))
+        self.pool = Pool(
+            str(extra["store"]), max_pending_bytes=int(extra.get("max_pending_bytes", 256 << 20))
+        )
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        # worker side
+        self._layers: list[tuple[str, torch.Tensor]] = []
+        self._load_errors: set[int] = set()
+        self._metrics = None
+        if role == KVConnectorRole.WORKER and int(extra.get("metrics_port", 0)) > 0:
+            self._metrics = metrics.serve(
+                self.pool.counters, "127.0.0.1", int(extra["metrics_port"])
+            )
+        logger.info(
+            "QuillCache connector (%s) on store %s: %s/%s, %d-token blocks as %d index blocks",
+            role.name,
+            extra["store"],
+            self.model,
+            self.tokenizer or "(model's tokenizer)",
+            self.block_size,
+            self.parts,
+        )
+
+    # --- scheduler side -----------------------------------------------------------------
+
+    def _keys(self, request: Request) -> list[KvBlockKey]:
+        adapter = request.lora_request.lora_name if request.lora_request else None
+        identity = block_identity(
+            self.model, self.tokenizer, cache_salt=request.cache_salt, adapter_id=adapter
+        )
+        tokens = list(request.prompt_token_ids or [])
+        # Never the prompt's last token: vLLM always computes at least that one.
+        usable = (len(tokens) - 1) // self.block_size * self.block_size
+        return identity.keys(tokens[:usable], self.index_block)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        keys = self._keys(request)
+        held = self.pool.leading_held(keys)
+        held = max(held, self._plan_fetchable(request, held, len(keys)))
+        matched = held // self.parts * self.block_size
+        self._tracked[request.request_id] = _Tracked(keys, held, num_computed_tokens)
+        if matched <= num_computed_tokens:
+            return 0, False
+        return matched - num_computed_tokens, False
+
+    @staticmethod
+    def _plan_fetchable(request: Request, held: int, total: int) -> int:
+        """The leading blocks held here or, by the gateway's plan, on a peer store node."""
+        params = request.kv_transfer_params or {}
+        plan = params.get(PLAN_FIELD) if isinstance(params, dict) else None
+        fetch = plan.get("fetch") if isinstance(plan, dict) else None
+        if not isinstance(fetch, list):
+            return held
+        fetchable = {a.get("block_index") for a in fetch if isinstance(a, dict)}
+        while held < total and held in fetchable:
+            held += 1
+        return held
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None or num_external_tokens <= 0:
+            return
+        # The request's own count is set only after this call: use the lookup's.
+        tracked.load_from = tracked.local // self.block_size
+        tracked.load_to = (tracked.local + num_external_tokens) // self.block_size
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = QuillCacheMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            for index in range(tracked.load_from, tracked.load_to):
+                meta.loads.append(self._transfer(tracked, index))
+            # What the pool already holds is not saved again.
+            tracked.saved_to = max(tracked.load_to, tracked.held // self.parts)
+            self._add_saves(meta, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            more = cached.new_block_ids[i]
+            if more is not None:
+                tracked.block_ids.extend(more[0])
+            self._add_saves(meta, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _transfer(self, tracked: _Tracked, index: int) -> BlockTransfer:
+        keys = tracked.keys[index * self.parts : (index + 1) * self.parts]
+        return BlockTransfer(tracked.block_ids[index], keys)
+
+    def _add_saves(self, meta: QuillCacheMetadata, tracked: _Tracked, computed: int) -> None:
+        full = min(computed // self.block_size, len(tracked.keys) // self.parts)
+        for index in range(tracked.saved_to, min(full, len(tracked.block_ids))):
+            meta.saves.append(self._transfer(tracked, index))
+        tracked.saved_to = max(tracked.saved_to, full)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        self._tracked.pop(request.request_id, None)
+        return False, None
+
+    # --- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layers = list(kv_caches.items())
+        shapes = {tuple(t.shape) for _, t in self._layers}
+        logger.info("QuillCache connector: %d KV layers, shapes %s", len(self._layers), shapes)
+
+    def _slice(self, tensor: torch.Tensor, block_id: int, part: int) -> torch.Tensor:
+        """One index block of one engine block in a layer's [blocks, heads, tokens, ...]."""
+        start = part * self.index_block
+        return tensor[block_id, :, start : start + self.index_block]
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, QuillCacheMetadata) or not meta.loads or not self._layers:
+            return
+        keys = [key for transfer in meta.loads for key in transfer.keys]
+        found = self.pool.get_many(keys)
+        at = 0
+        for transfer in meta.loads:
+            payloads = found[at : at + len(transfer.keys)]
+            at += len(transfer.keys)
+            if any(p is None for p in payloads) or not self._inject(transfer.block_id, payloads):
+                self._load_errors.add(transfer.block_id)
+
+    def _inject(self, block_id: int, payloads: list[bytes | None]) -> bool:
+        """Copy one engine block's bytes into every layer; False if they do not fit."""
+        for part, payload in enumerate(payloads):
+            raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            offset = 0
+            for _, tensor in self._layers:
+                target = self._slice(tensor, block_id, part)
+                size = target.numel() * target.element_size()
+                if offset + size > raw.numel():
+                    return False
+                source = raw[offset : offset + size].view(target.dtype).view(target.shape)
+                target.copy_(source)
+                offset += size
+            if offset != raw.numel():
+                return False
+        return True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every layer was loaded in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # the blocks are copied out once the forward pass is done (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, QuillCacheMetadata) or not meta.saves or not self._layers:
+            return
+        blocks = []
+        for transfer in meta.saves:
+            for part, key in enumerate(transfer.keys):
+                pieces = [
+                    self._slice(t, transfer.block_id, part).contiguous().view(torch.uint8)
+                    for _, t in self._layers
+                ]
+                blocks.append((key, torch.cat([p.flatten() for p in pieces]).numpy().tobytes()))
+        self.pool.save_later(blocks)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._metrics is not None:
+            self._metrics.shutdown()
+        self.pool.close()

@@ -1,0 +1,155 @@
+"""The store node beside an engine, as the connector inside vLLM uses it: sync calls, a
+bounded background writer.
+
+vLLM calls the connector from plain threads (its scheduler loop, its model runner), so
+this runs the project's asyncio `StoreClient` on a loop of its own thread and waits on
+it with a deadline. Saves go through a bounded queue drained by that loop: a save never
+blocks the caller, and when the queue holds `max_pending_bytes` already the new blocks
+are dropped and counted instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from quillcache_core.errors import QuillCacheError
+from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_store.client import StoreClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolCounters:
+    """What the connector did with the pool (read by its metrics)."""
+
+    blocks_saved: int = 0
+    bytes_saved: int = 0
+    blocks_save_dropped: int = 0  # the queue was full, or the store refused them
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    blocks_load_failed: int = 0  # missing, corrupt or unreachable: recomputed instead
+    save_seconds: float = 0.0
+    load_seconds: float = 0.0
+    lookups: int = 0
+
+
+class Pool:
+    def __init__(
+        self, store_address: str, *, timeout_s: float = 10.0, max_pending_bytes: int = 256 << 20
+    ) -> None:
+        self.store_address = store_address
+        self.timeout_s = timeout_s
+        self.max_pending_bytes = max_pending_bytes
+        self.counters = PoolCounters()
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="quillcache-pool")
+        self._thread.daemon = True
+        self._thread.start()
+        self._client = StoreClient(store_address, timeout_s=timeout_s)
+
+    def _call(self, coro) -> object:
+        future: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(self.timeout_s + 1.0)
+
+    # --- lookups and loads (the caller waits) -------------------------------------------
+
+    def leading_held(self, keys: Sequence[KvBlockKey]) -> int:
+        """How many of `keys`, from the first, this store node holds (any tier)."""
+        if not keys:
+            return 0
+        self.counters.lookups += 1
+        try:
+            tiers = self._call(self._client.exists(list(keys)))
+        except (QuillCacheError, TimeoutError) as exc:
+            logger.warning("pool lookup at %s failed: %s", self.store_address, exc)
+            return 0
+        held = 0
+        for tier in tiers:
+            if tier is None:
+                break
+            held += 1
+        return held
+
+    def get_many(self, keys: Sequence[KvBlockKey]) -> list[bytes | None]:
+        """Each block's bytes (fetched from a peer store node when this one has it not),
+        None where it is missing, corrupt or unreachable. Checksums are verified by the
+        store on the way out of its tiers and by the client on the wire."""
+        started = time.perf_counter()
+
+        async def fetch(key: KvBlockKey) -> bytes | None:
+            try:
+                payload, _tier = await self._client.get(key, allow_remote=True)
+                return payload
+            except QuillCacheError as exc:
+                logger.warning("pool load of %s failed: %s", key.block_hash, exc)
+                return None
+
+        async def all_of() -> list[bytes | None]:
+            return list(await asyncio.gather(*(fetch(k) for k in keys)))
+
+        try:
+            found = self._call(all_of())
+        except TimeoutError:
+            found = [None] * len(keys)
+        loaded = [b for b in found if b is not None]
+        self.counters.blocks_loaded += len(loaded)
+        self.counters.bytes_loaded += sum(map(len, loaded))
+        self.counters.blocks_load_failed += len(found) - len(loaded)
+        self.counters.load_seconds += time.perf_counter() - started
+        return found
+
+    # --- saves (never wait) -------------------------------------------------------------
+
+    def save_later(self, blocks: Sequence[tuple[KvBlockKey, bytes]]) -> int:
+        """Queue blocks for the store; returns how many were queued (the rest dropped)."""
+        size = sum(len(b) for _, b in blocks)
+        with self._lock:
+            if self._pending_bytes + size > self.max_pending_bytes:
+                self.counters.blocks_save_dropped += len(blocks)
+                return 0
+            self._pending_bytes += size
+        asyncio.run_coroutine_threadsafe(self._save(list(blocks), size), self._loop)
+        return len(blocks)
+
+    async def _save(self, blocks: list[tuple[KvBlockKey, bytes]], size: int) -> None:
+        started = time.perf_counter()
+        try:
+            for key, payload in blocks:
+                try:
+                    await self._client.put(key, payload, tier=CacheTier.CPU_DRAM)
+                    self.counters.blocks_saved += 1
+                    self.counters.bytes_saved += len(payload)
+                except QuillCacheError as exc:
+                    self.counters.blocks_save_dropped += 1
+                    logger.warning("pool save of %s failed: %s", key.block_hash, exc)
+        finally:
+            with self._lock:
+                self._pending_bytes -= size
+            self.counters.save_seconds += time.perf_counter() - started
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued save is done (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._pending_bytes == 0:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        self.flush(5.0)
+        with_timeout = asyncio.run_coroutine_threadsafe(self._client.close(), self._loop)
+        try:
+            with_timeout.result(5.0)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
