@@ -14,6 +14,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_bench.conductor",
         "Plan over gRPC (latency, plans/s) and KV-event ingest, in-process and over ZMQ",
     ),
+    "bench-connector": (
+        "quillcache_bench.kv_connector",
+        "TTFT of a long prompt on real vLLM: recompute vs KV loaded from DRAM, SSD, a peer",
+    ),
     "bench-gateway": (
         "quillcache_bench.gateway",
         "latency the gateway adds over calling an engine directly (p50/p99)",

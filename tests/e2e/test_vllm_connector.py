@@ -12,9 +12,13 @@ import signal
 import time
 import urllib.request
 
+import lmdb
 import pytest
 
+from quillcache_core.identity.keys import block_identity
+from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
 from quillcache_core.launch.cluster import LocalCluster
+from quillcache_store.blockcodec import storage_key
 from tests.e2e.test_vllm import (
     ask,
     cached,
@@ -30,6 +34,8 @@ from tests.support.services import wait_until
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 MODEL = "tiny"
+DRAM_BYTES = 128 * 1024
+SSD_MAP_BYTES = 2 * 4 * 1024**3 + 256 * 1024**2  # the store's LMDB map at its default SSD size
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +47,8 @@ def pool_fleet(env, tmp_path_factory):  # noqa: F811 - the fixture of test_vllm
         log=lambda *_: None,
         engine_kind="vllm",
         model=MODEL,
+        # Room for 8 blocks of the tiny model in DRAM: a prompt's first blocks land on SSD.
+        dram_capacity_bytes=DRAM_BYTES,
     )
     try:
         yield cluster, cluster.start(timeout_s=120)
@@ -84,14 +92,11 @@ def output(response, kind: str) -> str:
 def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same(pool_fleet, kind):
     _, endpoints = pool_fleet
     prompt = text(50 if kind == "chat" else 51, 300)
+    before = saved_counts(endpoints)
     headers, first = ask(endpoints, kind, MODEL, prompt, max_tokens=16)
     engine = headers["x-quillcache-engine"]
     blocks = first.usage.prompt_tokens // 32  # whole vLLM blocks (its last token aside)
-    wait_until(
-        lambda: connector(endpoints, engine, "blocks_saved") >= 2 * blocks - 2,
-        timeout_s=15,
-        what="the prefix saved to the pool",
-    )
+    saved(endpoints, engine, blocks, before)
     reset_cache(endpoints, engine)
     loaded = connector(endpoints, engine, "blocks_loaded")
     external = external_hits(endpoints, engine)
@@ -109,18 +114,100 @@ def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same
     assert output(again, kind) == output(first, kind)  # token for token
 
 
+def saved_counts(endpoints) -> dict[str, float]:
+    return {e: connector(endpoints, e, "blocks_saved") for e in ("engine-0", "engine-1")}
+
+
+def saved(endpoints, engine: str, blocks: int, before: dict[str, float]) -> None:
+    """Wait until this prompt's blocks (but the last, which vLLM always computes) are in
+    the pool: the engine's saved counter grew by them since `before`."""
+    wait_until(
+        lambda: connector(endpoints, engine, "blocks_saved") - before[engine] >= 2 * blocks - 2,
+        timeout_s=15,
+        what="the prefix saved to the pool",
+    )
+
+
+def prompt_keys(env, content: str) -> list:  # noqa: F811 - the fixture's value
+    tokens = request_tokens("completion", {"prompt": content}, ModelTokenizer(env.model_dir))
+    return block_identity(MODEL, str(env.model_dir), cache_salt="acme").keys(tokens, 16)
+
+
+def corrupt_first_on_ssd(ssd_dir, keys) -> int:
+    """Flip a payload byte of the first of `keys` whose record is on the store's SSD (in
+    place, under LMDB's own locking, as bit rot would); returns its block index."""
+    ssd = lmdb.open(str(ssd_dir), map_size=SSD_MAP_BYTES, max_dbs=4, subdir=True, lock=True)
+    try:
+        blocks = ssd.open_db(b"blocks")
+        with ssd.begin(write=True) as txn:
+            for index, key in enumerate(keys):
+                record = txn.get(storage_key(key), db=blocks)
+                if record is None:
+                    continue
+                damaged = bytearray(record)
+                damaged[-7] ^= 0xFF
+                txn.put(storage_key(key), bytes(damaged), db=blocks)
+                return index
+    finally:
+        ssd.close()
+    raise AssertionError("no block of the prompt is on the SSD tier")
+
+
+def test_a_block_corrupted_on_disk_is_recomputed_and_the_output_is_the_same(pool_fleet, env):  # noqa: F811
+    cluster, endpoints = pool_fleet
+    prompt = text(70, 300)
+    before = saved_counts(endpoints)
+    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
+    engine = headers["x-quillcache-engine"]
+    saved(endpoints, engine, first.usage.prompt_tokens // 32, before)
+    store = f"store-{int(engine.rsplit('-', 1)[1]) % 2}"
+    corrupted = corrupt_first_on_ssd(cluster.data_dir / store / "ssd", prompt_keys(env, prompt))
+    reset_cache(endpoints, engine)
+    failed = connector(endpoints, engine, "blocks_load_failed")
+    corrupt = metric(endpoints["metrics"][store], "quillcache_store_corrupt_blocks_total")
+    headers, again = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
+    print(
+        f"corrupt block {corrupted}: load failures "
+        f"{connector(endpoints, engine, 'blocks_load_failed') - failed}, vLLM cached "
+        f"{cached(again)} of {again.usage.prompt_tokens}"
+    )
+    assert headers["x-quillcache-engine"] == engine
+    assert connector(endpoints, engine, "blocks_load_failed") > failed
+    assert metric(endpoints["metrics"][store], "quillcache_store_corrupt_blocks_total") > corrupt
+    assert again.choices[0].text == first.choices[0].text  # recomputed, not wrong
+
+
+def test_a_restarted_engine_loads_the_prefix_from_the_pool(pool_fleet):
+    cluster, endpoints = pool_fleet
+    prompt = text(80, 300)
+    before = saved_counts(endpoints)
+    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
+    engine = headers["x-quillcache-engine"]
+    blocks = first.usage.prompt_tokens // 32
+    saved(endpoints, engine, blocks, before)
+    cluster.restart(engine)  # its cache is gone with the process
+    wait_until(
+        lambda: engine_stats(endpoints, engine).resident_blocks == 0,
+        timeout_s=20,
+        what="the conductor dropping the restarted engine's blocks",
+    )
+    headers, again = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
+    loaded = connector(endpoints, engine, "blocks_loaded")  # a new process counts from 0
+    print(f"restarted {engine}: loaded {loaded} blocks, vLLM cached {cached(again)}")
+    assert headers["x-quillcache-engine"] == engine
+    assert loaded >= 2 * (blocks - 1) and cached(again) >= 32 * (blocks - 1)
+    assert again.choices[0].text == first.choices[0].text
+
+
 def test_an_engine_on_another_store_node_reuses_the_prefix(pool_fleet):
     cluster, endpoints = pool_fleet
     prompt = text(60, 300)
+    before = saved_counts(endpoints)
     headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
     first_engine = headers["x-quillcache-engine"]
     other = "engine-1" if first_engine == "engine-0" else "engine-0"
     blocks = first.usage.prompt_tokens // 32
-    wait_until(
-        lambda: connector(endpoints, first_engine, "blocks_saved") >= 2 * blocks - 2,
-        timeout_s=15,
-        what="the prefix saved to the pool",
-    )
+    saved(endpoints, first_engine, blocks, before)
     settled(endpoints, first_engine)
     # The first engine leaves the fleet (its registration ends): the prefix is only in
     # its store node now, a peer of the other engine's.

@@ -410,6 +410,42 @@ class LocalCluster:
                     )
                 time.sleep(0.05)
 
+    def restart(self, name: str, timeout_s: float = 300.0, grace_s: float = 10.0) -> Child:
+        """Stop one child (SIGTERM, SIGKILL after `grace_s`) and start it again with the
+        same command line; returns once it is healthy again. For children whose ports
+        are on their command line (vLLM servers): the others would take new free ports."""
+        child = next(c for c in self.children if c.name == name)
+        if child.proc and child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGTERM)
+            try:
+                child.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait(timeout=5)
+        env = None
+        if child.service == "vllm":
+            from quillcache_core.launch import vllm_engine
+
+            env = vllm_engine.serve_env()
+        with open(child.log_path, "ab") as log:
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy(child):
+            self._check_alive(child)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name} is not healthy after a restart:\n{child.log_tail()}")
+            time.sleep(0.25)
+        return child
+
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every child (newest first), SIGKILL what is left after `grace_s`."""
         for child in reversed(self.children):

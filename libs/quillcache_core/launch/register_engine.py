@@ -2,7 +2,10 @@
 
 Writes the engine's record under `/quillcache/v1/nodes/engine/{id}` with a lease and
 keeps the lease alive until SIGTERM or SIGINT, when the record is removed; if this
-process dies, the lease expires and the engine leaves the fleet. The conductor then
+process dies, the lease expires and the engine leaves the fleet. It also watches the
+engine's start time (`process_start_time_seconds` on its /metrics, every
+--watch-interval-s): when the engine restarts, its cache is gone, and the record is
+written again with the new start time, so the conductor drops what the engine held. The conductor then
 subscribes to the engine's KV events and the gateway routes its model to it. The same
 record can be written with etcdctl instead (then keep its lease alive yourself):
 
@@ -15,14 +18,18 @@ record can be written with etcdctl instead (then keep its lease alive yourself):
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.process.service import configure_logging, serve_until_signalled
 from quillcache_core.process.settings import load_settings, opt
 from quillcache_core.registry import NodeRecord, open_registry
+
+logger = logging.getLogger(__name__)
 
 DESCRIPTION = (
     "Register an engine started outside QuillCache (vLLM's OpenAI server with KV events) "
@@ -48,6 +55,9 @@ class RegisterEngineConfig:
     store_node: str = opt("", "the store node beside it ('' = none)")
     registry: str = opt("", "the etcd URL, e.g. http://127.0.0.1:2379 (required)")
     lease_ttl_s: float = opt(5.0, "lease TTL of the record")
+    watch_interval_s: float = opt(
+        2.0, "how often to read the engine's start time from its /metrics (0 = never)"
+    )
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
@@ -64,7 +74,7 @@ class RegisterEngineConfig:
         if self.block_size < 0 or self.lease_ttl_s <= 0:
             raise InvalidArgument("--block-size must be >= 0 and --lease-ttl-s positive")
 
-    def record(self) -> NodeRecord:
+    def record(self, start_time_s: float) -> NodeRecord:
         return NodeRecord(
             kind="engine",
             id=self.id,
@@ -77,7 +87,7 @@ class RegisterEngineConfig:
             tokenizer=self.tokenizer,
             store_node=self.store_node,
             block_size=self.block_size,
-            start_time_s=time.time(),
+            start_time_s=start_time_s,
             extra={"engine_kind": "external"},
         )
 
@@ -88,15 +98,52 @@ class EngineRegistration:
     def __init__(self, config: RegisterEngineConfig) -> None:
         self.config = config
         self.registry = open_registry(config.registry)
+        self.started_at = 0.0
+        self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
-        await self.registry.register(self.config.record(), self.config.lease_ttl_s)
+        self.started_at = await engine_start_time(self.config.base_url) or time.time()
+        await self.registry.register(self.config.record(self.started_at), self.config.lease_ttl_s)
+        if self.config.watch_interval_s > 0:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_restarts())
+
+    async def _watch_restarts(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.watch_interval_s)
+            now = await engine_start_time(self.config.base_url)
+            if now is None or now == self.started_at:
+                continue
+            logger.info("engine %s restarted (start time %.3f)", self.config.id, now)
+            self.started_at = now
+            try:
+                await self.registry.register(self.config.record(now), self.config.lease_ttl_s)
+            except Exception:  # noqa: BLE001 - the registry is down: next tick
+                logger.exception("re-registering %s failed", self.config.id)
+                self.started_at = 0.0
 
     def ready_line(self) -> str:
         return f"READY register-engine id={self.config.id}"
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         await self.registry.close()
+
+
+async def engine_start_time(base_url: str, timeout_s: float = 2.0) -> float | None:
+    """The engine server's process start time from its /metrics, None if unreadable."""
+
+    def read() -> float | None:
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+                for line in r.read().decode("utf-8", "replace").splitlines():
+                    if line.startswith("process_start_time_seconds "):
+                        return float(line.split()[1])
+        except (OSError, ValueError):
+            return None
+        return None
+
+    return await asyncio.to_thread(read)
 
 
 def main(argv: list[str] | None = None) -> int:
