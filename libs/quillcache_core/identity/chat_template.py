@@ -29,6 +29,7 @@ from datetime import datetime
 from typing import Any
 
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.identity.tokenize import text_parts
 
 # A `{% for x in message['content'] %}`-like loop: the template reads content parts.
 _CONTENT_LOOP = re.compile(
@@ -131,22 +132,13 @@ class ChatTemplate:
             return [{"type": "text", "text": content}] if self.openai_content else content
         if isinstance(content, list):
             parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-                    raise InvalidArgument(
-                        f"messages[{index}].content[{j}] must be an object with a type"
-                    )
-                if part["type"] == "text":
-                    if not isinstance(part.get("text"), str):
-                        raise InvalidArgument(
-                            f"messages[{index}].content[{j}].text must be a string"
-                        )
-                    parts.append({"type": "text", "text": part["text"]})
-                else:
+            for j, text in enumerate(text_parts(content, index)):
+                if text is None:
                     raise InvalidArgument(
                         f"messages[{index}].content[{j}]: only text parts are supported, "
-                        f"not {part['type']!r}"
+                        f"not {content[j]['type']!r}"
                     )
+                parts.append({"type": "text", "text": text})
             if self.openai_content:
                 return parts
             return "\n".join(p["text"] for p in parts)

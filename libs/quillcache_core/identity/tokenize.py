@@ -209,23 +209,28 @@ def render_chat(messages: Sequence[Mapping]) -> str:
     return "".join(out)
 
 
+def text_parts(content: list, index: int) -> list[str | None]:
+    """OpenAI content parts, checked: each text part's text, None for other kinds."""
+    out: list[str | None] = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+            raise InvalidArgument(f"messages[{index}].content[{j}] must be an object with a type")
+        if part["type"] != "text":
+            out.append(None)
+            continue
+        if not isinstance(part.get("text"), str):
+            raise InvalidArgument(f"messages[{index}].content[{j}].text must be a string")
+        out.append(part["text"])
+    return out
+
+
 def _content_text(content, index: int) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-                raise InvalidArgument(
-                    f"messages[{index}].content[{j}] must be an object with a type"
-                )
-            if part["type"] == "text":
-                if not isinstance(part.get("text"), str):
-                    raise InvalidArgument(f"messages[{index}].content[{j}].text must be a string")
-                texts.append(part["text"])
-        return "".join(texts)
+        return "".join(text for text in text_parts(content, index) if text is not None)
     raise InvalidArgument(f"messages[{index}].content must be a string or an array of parts")
 
 

@@ -415,15 +415,7 @@ class LocalCluster:
         same command line; returns once it is healthy again. For children whose ports
         are on their command line (vLLM servers): the others would take new free ports."""
         child = next(c for c in self.children if c.name == name)
-        if child.proc and child.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.proc.pid, signal.SIGTERM)
-            try:
-                child.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait(timeout=5)
+        _terminate(child, grace_s)
         env = None
         if child.service == "vllm":
             from quillcache_core.launch import vllm_engine
@@ -449,15 +441,7 @@ class LocalCluster:
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every child (newest first), SIGKILL what is left after `grace_s`."""
         for child in reversed(self.children):
-            if child.proc and child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGTERM)
-                try:
-                    child.proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(child.proc.pid, signal.SIGKILL)
-                    child.proc.wait(timeout=5)
+            _terminate(child, grace_s)
         self.children.clear()
         if self.etcd is not None:
             self.etcd.stop()
@@ -465,6 +449,20 @@ class LocalCluster:
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc and c.proc.poll() is not None]
+
+
+def _terminate(child: Child, grace_s: float) -> None:
+    """SIGTERM the child's process group, SIGKILL it if still there after `grace_s`."""
+    if child.proc is None or child.proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.proc.pid, signal.SIGTERM)
+    try:
+        child.proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        child.proc.wait(timeout=5)
 
 
 def build_parser() -> argparse.ArgumentParser:
