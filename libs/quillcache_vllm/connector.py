@@ -191,7 +191,14 @@ class QuillCacheConnector(KVConnectorBase_V1):
             if tracked is None:
                 continue
             more = cached.new_block_ids[i]
-            if more is not None:
+            if req_id in cached.resumed_req_ids:
+                # Back from preemption: its blocks are all new (listed here in full), and
+                # what the lookup promised when it was rescheduled must be loaded again.
+                tracked.block_ids = list(more[0]) if more is not None else []
+                for index in range(tracked.load_from, tracked.load_to):
+                    meta.loads.append(self._transfer(tracked, index))
+                tracked.saved_to = max(tracked.load_to, tracked.held // self.parts)
+            elif more is not None:
                 tracked.block_ids.extend(more[0])
             self._add_saves(meta, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
