@@ -102,3 +102,23 @@ def test_bad_tokenizer_specs_are_rejected(tmp_path):
         load_tokenizers("no-equals-sign")
     with pytest.raises(InvalidArgument):
         load_tokenizers(f"m={tmp_path / 'missing.json'}")
+
+
+def test_a_model_directory_refuses_untokenizable_text_with_a_client_error(tmp_path):
+    import json
+
+    from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
+
+    train_tokenizer(tmp_path / "tokenizer.json")
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = ModelTokenizer(tmp_path)
+    assert request_tokens("completion", {"prompt": "fine text"}, tok)
+    chat = {"messages": [{"role": "user", "content": "fine"}]}
+    assert request_tokens("chat", chat, tok) == tok.encode("user: fine\n")
+    for payload, kind in (
+        ({"prompt": "a lone \ud800 surrogate"}, "completion"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "chat"),
+    ):
+        with pytest.raises(InvalidArgument, match="cannot be tokenized"):
+            request_tokens(kind, payload, tok)

@@ -84,7 +84,7 @@ class HfTokenizer:
         self.name = name or Path(path).stem
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return _encode(self._tok, text, False)
 
 
 class ModelTokenizer:
@@ -116,7 +116,7 @@ class ModelTokenizer:
         self.name = name or str(directory)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(self._tok, text, add_special_tokens)
 
     def chat_ids(self, payload: Mapping) -> list[int]:
         """A chat request's prompt ids, as vLLM renders and tokenizes it."""
@@ -134,6 +134,15 @@ class ModelTokenizer:
             template_kwargs=kwargs,
         )
         return self.encode(text, _flag(payload, "add_special_tokens", False))
+
+
+def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
+    """A `tokenizers` encode that refuses what it cannot encode (a lone surrogate from
+    JSON's "\\ud800") with InvalidArgument instead of the library's TypeError."""
+    try:
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"the prompt holds text that cannot be tokenized: {exc}") from None
 
 
 def _flag(payload: Mapping, name: str, default: bool) -> bool:
