@@ -18,6 +18,7 @@ from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_conductor.state import ConductorState
 from quillcache_conductor.zmq_sub import EngineSubscriber
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.identity.keys import identity_tokenizer
 from quillcache_core.kvevents.bulk import BulkBatch
 from quillcache_core.kvevents.events import (
     DecodedBatch,
@@ -79,7 +80,9 @@ class EventRouter:
         current = self.translators.get(engine_id)
         info = self.state.engines.get(engine_id)
         model = (info.record.model if info else None) or model_id
-        tokenizer = (info.record.tokenizer if info else None) or tokenizer_id or model
+        tokenizer = identity_tokenizer(
+            model, (info.record.tokenizer if info else None) or tokenizer_id
+        )
         if not model:
             raise InvalidArgument(
                 f"engine {engine_id!r} has no model: register it with one, "
@@ -164,23 +167,18 @@ class EventRouter:
         self.rejected.inc(engine=engine_id, reason=reason)
 
     def _on_reset(self, engine_id: str) -> None:
-        translator = self.translators.get(engine_id)
-        if translator is not None:
-            dropped = translator.reset()
-            logger.info("engine %s restarted its publisher; dropped %d records", engine_id, dropped)
+        self._drop_records(engine_id, "restarted its publisher")
 
     def _on_lost(self, engine_id: str, missing: int) -> None:
         """Batches that neither came nor replayed: the engine's records are no longer
         trusted (one of them may be a BlockRemoved), so they go; its next events relearn."""
+        self._drop_records(engine_id, f"lost {missing} event batches")
+
+    def _drop_records(self, engine_id: str, why: str) -> None:
         translator = self.translators.get(engine_id)
         if translator is not None:
             dropped = translator.reset()
-            logger.warning(
-                "engine %s: %d event batches lost; dropped its %d records",
-                engine_id,
-                missing,
-                dropped,
-            )
+            logger.warning("engine %s %s: dropped its %d records", engine_id, why, dropped)
 
     def _reject(self, engine_id: str, error: EventError, seq: int | None, count: int = 1) -> None:
         self.rejected.inc(count, engine=engine_id, reason=error.reason)

@@ -33,7 +33,7 @@ from itertools import repeat
 from typing import Any
 
 from quillcache_core.identity.hashing import ROOT_PARENT, packed_block_hashes
-from quillcache_core.identity.keys import block_identity
+from quillcache_core.identity.keys import block_identity, identity_tokenizer
 from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.kvevents.bulk import (
     OP_CLEARED,
@@ -135,7 +135,7 @@ class EngineEventTranslator:
         self.engine_id = engine_id
         self.model_id = model_id
         # The identity's tokenizer: the record's, or the model's own when it names none.
-        self.tokenizer_id = block_identity(model_id, tokenizer_id).tokenizer_id
+        self.tokenizer_id = identity_tokenizer(model_id, tokenizer_id)
         self.bytes_per_block = bytes_per_block
         self.max_tracked = max_tracked
         self.stats = TranslatorStats()
@@ -224,11 +224,7 @@ class EngineEventTranslator:
 
     def _split(self, batch: BulkBatch) -> BulkBatch:
         """The batch in the index's block size; learns the engine's from its stored blocks."""
-        run = batch.run
-        if run is not None and batch._ops is None:  # noqa: SLF001 - no ops built yet
-            sizes = {run.block_size}
-        else:
-            sizes = {op[4] for op in batch.ops if op[0] == OP_STORED}
+        sizes = batch.stored_sizes()
         if len(sizes) == 1 and not self.engine_block_tokens:
             self.engine_block_tokens = next(iter(sizes))
         return split_blocks(batch, self.block_tokens, self.engine_block_tokens)

@@ -29,7 +29,6 @@ from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
 from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.identity.tokenize import (
-    Tokenizer,
     request_tokens,
 )
 from quillcache_core.model import CacheTier
@@ -61,13 +60,12 @@ class _Completion:
     """A validated completion request: its body (raw and parsed), model, tokenizer, tokens.
 
     `tokenizer_id` is the tokenizer the serving engines' registry record names ("" =
-    the model's own): the identity's, whatever local files `tokenizer` was loaded from.
+    the model's own): the identity's, whatever local files the tokens came from.
     """
 
     raw: bytes
     payload: dict
     model: str
-    tokenizer: Tokenizer | None  # None: an engine tokenized it
     tokenizer_id: str
     tokens: list[int]
     max_tokens: int
@@ -348,7 +346,6 @@ class Gateway:
             raw,
             payload,
             model,
-            tokenizer,
             tokenizer_id,
             tokens,
             max_tokens or self.config.default_max_tokens,

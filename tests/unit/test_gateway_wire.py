@@ -85,6 +85,18 @@ def test_empty_and_unicode_bodies_splice():
         assert sent == plain_body(payload, "tenant-é", {})
 
 
+def engine_record(engine_id: str, tokenizer: str) -> NodeRecord:
+    """An engine's registry record serving sim-model under `tokenizer`."""
+    return NodeRecord(
+        kind="engine",
+        id=engine_id,
+        address="",
+        locality_domain="d0",
+        model="sim-model",
+        tokenizer=tokenizer,
+    )
+
+
 def served(gw: Gateway, models: dict[str, str]) -> Gateway:
     """The gateway as if the conductor's Stats had just listed these models' tokenizers."""
     gw.catalog.set_served(models)
@@ -133,14 +145,7 @@ def test_gateway_and_conductor_derive_the_same_keys_for_one_engine_record(
     # The engine's record names a tokenizer the gateway's local files are not called
     # (the gateway knows them as sim-model:tok.json): the identity is the record's on
     # both sides, so the keys meet.
-    record = NodeRecord(
-        kind="engine",
-        id="e1",
-        address="",
-        locality_domain="d0",
-        model="sim-model",
-        tokenizer=tokenizer,
-    )
+    record = engine_record("e1", tokenizer)
     local = train_tokenizer(tmp_path / "tok.json")
     gw = served(with_tokenizer(local), {record.model: record.tokenizer})
     hashes, ident = gateway_hashes(gw, "acme", payload, kind)
@@ -174,24 +179,10 @@ def test_another_tenant_or_tokenizer_never_meets_those_keys():
     gw = served(gateway(), {"sim-model": "builtin-v1"})
     ours, _ = gateway_hashes(gw, "acme", payload, "completion")
     tokens = BuiltinTokenizer().encode(payload["prompt"])
-    record = NodeRecord(
-        kind="engine",
-        id="e1",
-        address="",
-        locality_domain="d0",
-        model="sim-model",
-        tokenizer="builtin-v1",
-    )
+    record = engine_record("e1", "builtin-v1")
     assert conductor_hashes(record, tokens, "salty")[0] == ours
     assert conductor_hashes(record, tokens, "globex")[0][0] != ours[0]
-    other = NodeRecord(
-        kind="engine",
-        id="e2",
-        address="",
-        locality_domain="d0",
-        model="sim-model",
-        tokenizer="org/tok-v3",
-    )
+    other = engine_record("e2", "org/tok-v3")
     assert conductor_hashes(other, tokens, "salty")[0][0] != ours[0]
 
 
@@ -199,9 +190,7 @@ def test_plan_json_is_engine_plan_to_json_with_fetch_runs_expanded():
     gw = gateway()
     ident = gw._identity("acme", "sim-model", "builtin-v1")
     hashes = [f"{i:032x}" for i in range(10)]
-    job = _Completion(
-        b"{}", {}, "sim-model", BuiltinTokenizer(), "builtin-v1", list(range(170)), 8, False
-    )
+    job = _Completion(b"{}", {}, "sim-model", "builtin-v1", list(range(170)), 8, False)
     call = _Call("req", 0.0, 800, job, ident, hashes, pack_hashes(hashes))
     A = conductor_pb2.BlockAction
     plan = conductor_pb2.PlanResponse(

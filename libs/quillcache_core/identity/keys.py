@@ -75,6 +75,12 @@ class BlockIdentity:
         )
 
 
+def identity_tokenizer(model_id: str, tokenizer_id: str) -> str:
+    """The tokenizer an identity names: the record's, else the model's own (vLLM's
+    `--tokenizer` defaults to `--model`)."""
+    return tokenizer_id or model_id
+
+
 def block_identity(
     model_id: str,
     tokenizer_id: str = "",
@@ -89,7 +95,7 @@ def block_identity(
     the model's own tokenizer. The tenant is `tenant_id` when given, else the salt,
     else DEFAULT_TENANT. An empty salt or adapter is none (vLLM treats them so).
     """
-    tokenizer = tokenizer_id or model_id
+    tokenizer = identity_tokenizer(model_id, tokenizer_id)
     salt = cache_salt or None
     adapter = adapter_id or None
     if tenant_id is None:

@@ -72,7 +72,7 @@ def _piece_id(piece: str) -> int:
 
 
 class HfTokenizer:
-    """A Hugging Face `tokenizers` tokenizer.json (no special tokens added)."""
+    """A Hugging Face `tokenizers` tokenizer.json (no special tokens added by default)."""
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
         from tokenizers import Tokenizer as _HfTokenizer
@@ -83,25 +83,23 @@ class HfTokenizer:
             raise InvalidArgument(f"cannot load tokenizer {path}: {exc}") from None
         self.name = name or Path(path).stem
 
-    def encode(self, text: str) -> list[int]:
-        return _encode(self._tok, text, False)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return _encode(self._tok, text, add_special_tokens)
 
 
-class ModelTokenizer:
+class ModelTokenizer(HfTokenizer):
     """A Hugging Face model directory's tokenizer and chat template, by vLLM's rules."""
 
     def __init__(self, directory: str | Path, name: str | None = None) -> None:
-        from tokenizers import Tokenizer as _HfTokenizer
-
         from quillcache_core.identity.chat_template import ChatTemplate, special_tokens_of
 
         directory = Path(directory)
+        super().__init__(directory / "tokenizer.json", name or str(directory))
         try:
-            self._tok = _HfTokenizer.from_file(str(directory / "tokenizer.json"))
             config_path = directory / "tokenizer_config.json"
             config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
-            raise InvalidArgument(f"cannot load the tokenizer of {directory}: {exc}") from None
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot read {directory}'s tokenizer config: {exc}") from None
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: vLLM takes "default"
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -113,10 +111,6 @@ class ModelTokenizer:
             ChatTemplate(source, special_tokens_of(config)) if isinstance(source, str) else None
         )
         self.directory = directory
-        self.name = name or str(directory)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return _encode(self._tok, text, add_special_tokens)
 
     def chat_ids(self, payload: Mapping) -> list[int]:
         """A chat request's prompt ids, as vLLM renders and tokenizes it."""

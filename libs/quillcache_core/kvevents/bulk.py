@@ -170,6 +170,13 @@ class BulkBatch:
     def event_count(self) -> int:
         return self.run.events if self._ops is None and self.run is not None else len(self.ops)
 
+    def stored_sizes(self) -> set[int]:
+        """The block sizes of the batch's stored events (from the run, if the ops are not
+        built yet)."""
+        if self._ops is None and self.run is not None:
+            return {self.run.block_size}
+        return {op[4] for op in self.ops if op[0] == OP_STORED}
+
     @property
     def positions(self) -> list[int]:
         return [op[1] for op in self.ops]
@@ -307,13 +314,12 @@ def split_blocks(batch: BulkBatch, block_tokens: int, engine_block_tokens: int) 
     rest of the batch still applies. A batch that needs nothing is returned as it is.
     """
     removed_parts = max(1, engine_block_tokens // block_tokens) if engine_block_tokens else 1
-    run = batch.run
-    if run is not None and batch._ops is None and run.block_size == block_tokens:  # noqa: SLF001
+    # A run is stored events only: it has no removals to split.
+    if batch.stored_sizes() <= {block_tokens} and (
+        removed_parts == 1 or batch.run is not None or all(op[0] != OP_REMOVED for op in batch.ops)
+    ):
         return batch
     ops = batch.ops
-    sizes = {op[4] for op in ops if op[0] == OP_STORED}
-    if sizes <= {block_tokens} and (removed_parts == 1 or all(op[0] != OP_REMOVED for op in ops)):
-        return batch
     errors = list(batch.errors)
     out: list[tuple[Any, ...]] = []
     for op in ops:

