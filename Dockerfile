@@ -38,17 +38,24 @@ ENV PATH=/opt/quillcache/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     QC_HOST=0.0.0.0
 # A fixed non-root uid/gid: k8s/ sets runAsUser/fsGroup to the same numbers so the
-# volumes (SSD tier, conductor index, etcd data) are writable.
+# volumes (SSD tier, conductor index, etcd data) are writable. /certs is where the
+# services find their certificates (QC_TLS_DIR): owned by that user, so a new named
+# volume mounted there (docker-compose.yml's `certs`) is too, and `quillcache certs
+# /certs` can write it.
 RUN groupadd --system --gid 10001 quillcache \
     && useradd --system --uid 10001 --gid quillcache --home-dir /var/lib/quillcache \
        --shell /usr/sbin/nologin quillcache \
     && mkdir -p /var/lib/quillcache/store /var/lib/quillcache/conductor /var/lib/quillcache/etcd \
-    && chown -R quillcache:quillcache /var/lib/quillcache
+       /certs \
+    && chown -R quillcache:quillcache /var/lib/quillcache /certs \
+    && chmod 0700 /certs
 COPY --from=build /opt/quillcache /opt/quillcache
 USER 10001:10001
 WORKDIR /var/lib/quillcache
 # gRPC: conductor 50051, store 50052, transfer 50053; their /metrics + /health:
-# 9101-9103; gateway HTTP 8000; sim engine HTTP 8001, ZMQ KV events 5557, replay 5558.
+# 9101-9103; gateway HTTPS 8000; sim engine HTTPS 8001, ZMQ KV events 5557, replay 5558.
+# All but the ZMQ ports demand a client certificate of the cluster's CA (the gateway:
+# an API key); run with --tls-dir /certs (QC_TLS_DIR), or --insecure for development.
 EXPOSE 50051 50052 50053 9101 9102 9103 8000 8001 5557 5558
 ENTRYPOINT ["quillcache"]
 CMD ["--help"]

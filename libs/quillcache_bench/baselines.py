@@ -1,5 +1,10 @@
 """What the store's figures are measured against: raw loopback TCP, raw fsync'd
-writes and a bare gRPC bytes stream, with no QuillCache code on the path."""
+writes and a bare gRPC bytes stream, with no QuillCache code on the path.
+
+These are not QuillCache processes and stay plaintext, as before TLS: a store figure
+(mutual TLS) against them includes the cost of TLS. `raw_tcp(..., tls=...)` gives the
+same stream over TLS with the cluster's certificates, to show that cost on its own.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,14 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from quillcache_store.tiers.ssd_records import tune_malloc_for_large_values
+
+if TYPE_CHECKING:
+    from quillcache_core.security.tls import Tls
 
 MIB = 1024 * 1024
 
@@ -31,16 +40,23 @@ def distinct_buffers(blocks: int, block_bytes: int) -> tuple[list[bytes], list[m
 
 
 def raw_tcp(
-    blocks: int, block_bytes: int, buffers: tuple[list[bytes], list[memoryview]] | None = None
+    blocks: int,
+    block_bytes: int,
+    buffers: tuple[list[bytes], list[memoryview]] | None = None,
+    tls: Tls | None = None,
 ) -> float:
     """Seconds to stream `blocks` blocks over loopback TCP (sender and receiver threads).
 
     By default one cache-hot buffer is sent again and again into one receive buffer;
     with `buffers` (`distinct_buffers`) block i goes from source i to sink i, as a pool's
-    blocks do."""
+    blocks do. With `tls` the stream is mutual TLS with those certificates on both ends
+    (blocking ssl sockets, as the store's block-data connections are); the handshake is
+    not timed."""
     blob = np.random.default_rng(1).bytes(block_bytes)
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
+    if tls is not None:
+        server = tls.server_context().wrap_socket(server, server_side=True)
     done = threading.Event()
 
     def receive() -> None:
@@ -59,7 +75,10 @@ def raw_tcp(
 
     receiver = threading.Thread(target=receive)
     receiver.start()
-    with socket.create_connection(("127.0.0.1", port)) as sock:
+    sock = socket.create_connection(("127.0.0.1", port))
+    if tls is not None:
+        sock = tls.client_context().wrap_socket(sock)  # takes over the socket
+    with sock:
         start = time.perf_counter()
         for i in range(blocks):
             sock.sendall(buffers[0][i % len(buffers[0])] if buffers else blob)

@@ -18,6 +18,14 @@ measures, in one run:
 
 Goals (issue 3): Plan p99 <= 3 ms, >= 2,000 plans/s, >= 500k block events/s
 in-process, >= 200k over ZMQ. The table says which are met.
+
+Everything runs as a secure cluster does (certificates made in the run's temp dir):
+etcd with client certificates and its roles, the conductor with mutual TLS on its
+gRPC and plan ports, and each call with the role that makes it in a deployment:
+engines' records, Observe and the ZMQ engine's record as `engine`, store records
+and store events as `store`, Plan/Finish (gRPC and the plan port) and the health
+Check baseline as `gateway`. The TLS cost is thus part of every figure but the
+in-process ingest; `--insecure` measures the plaintext stack instead.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import msgpack
 import numpy as np
 import zmq
@@ -40,6 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_bench.common import Progress, percentiles_us, render_table, write_results
+from quillcache_bench.secure import INSECURE_HELP, bench_certs, role_tls, security_args
 from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index import MemoryIndex
@@ -49,6 +57,7 @@ from quillcache_core.process.heap import HeapSettler
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.plan_client import PlanClient
 from quillcache_core.rpc.plan_port import PlanPortClient
+from quillcache_core.security.tls import grpc_channel
 from quillcache_core.wire.plan import pack_hashes
 
 MODEL, TOKENIZER, BS = "bench-model", "builtin-v1", 16
@@ -76,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--event-blocks", type=int, default=200_000, help="block events per ingest run"
     )
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     parser.add_argument("--out-dir", default="bench/results")
     return parser
 
@@ -86,44 +96,52 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _main(args) -> int:
-    results: dict = {"config": vars(args)}
-    with (
-        tempfile.TemporaryDirectory(prefix="qc-bench-") as tmp,
-        EtcdServer(Path(tmp) / "etcd") as etcd,
-    ):
-        log_path = Path(tmp) / "conductor.log"
-        with open(log_path, "wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "quillcache_core.launch.cli",
-                "conductor",
-                "--registry",
-                etcd.client_url,
-                "--log-level",
-                "WARNING",
-                "--reservation-ttl-s",
-                "3600",
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-            )
-            try:
-                line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-                if not line.startswith("READY"):
-                    raise SystemExit(f"conductor did not start: {line!r}; see {log_path}")
-                address = line.split("grpc=")[1].split()[0]
-                await _bench(args, etcd, address, results)
-            finally:
-                proc.terminate()
-                await proc.wait()
+    results: dict = {"config": vars(args), "tls": not args.insecure}
+    with tempfile.TemporaryDirectory(prefix="qc-bench-") as tmp:
+        certs = bench_certs(Path(tmp), args.insecure)
+        with EtcdServer(Path(tmp) / "etcd", tls_dir=certs) as etcd:
+            await _run_conductor(args, Path(tmp), certs, etcd, results)
     _report(args, results)
     return 0
 
 
-async def _bench(args, etcd, address, results) -> None:
+async def _run_conductor(args, tmp: Path, certs: Path | None, etcd, results) -> None:
+    """The conductor process (with the run's certificates), benched, then stopped."""
+    log_path = tmp / "conductor.log"
+    with open(log_path, "wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "quillcache_core.launch.cli",
+            "conductor",
+            "--registry",
+            etcd.client_url,
+            "--log-level",
+            "WARNING",
+            "--reservation-ttl-s",
+            "3600",
+            *security_args(certs),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log,
+        )
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            if not line.startswith("READY"):
+                raise SystemExit(f"conductor did not start: {line!r}; see {log_path}")
+            address = line.split("grpc=")[1].split()[0]
+            await _bench(args, etcd, address, certs, results)
+        finally:
+            proc.terminate()
+            await proc.wait()
+
+
+async def _bench(args, etcd, address, certs, results) -> None:
     rng = random.Random(args.seed)
     nprng = np.random.default_rng(args.seed)
-    registry = open_registry(etcd.client_url)
+    # etcd lets each role write only its own kind of record: engines' as `engine`,
+    # stores' as `store`.
+    registry = open_registry(etcd.client_url, role_tls(certs, "engine"))
+    store_registry = open_registry(etcd.client_url, role_tls(certs, "store"))
     engine_ids = [f"e{i:03d}" for i in range(args.engines)]
     store_ids = [f"s{j:02d}" for j in range(args.stores)]
     zmq_port = free_port()
@@ -142,7 +160,7 @@ async def _bench(args, etcd, address, results) -> None:
             30,
         )
     for j, sid in enumerate(store_ids):
-        await registry.register(
+        await store_registry.register(
             NodeRecord(
                 kind="store",
                 id=sid,
@@ -151,10 +169,16 @@ async def _bench(args, etcd, address, results) -> None:
             ),
             30,
         )
-    channel = grpc.aio.insecure_channel(
-        address, options=[("grpc.max_send_message_length", 64 << 20)]
-    )
+    # One channel per caller role: the gateway plans (and reads Stats), engines
+    # observe, stores report their blocks.
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    gateway_tls = role_tls(certs, "gateway")
+    channel = grpc_channel(address, gateway_tls, options)
+    engine_channel = grpc_channel(address, role_tls(certs, "engine"), options)
+    store_channel = grpc_channel(address, role_tls(certs, "store"), options)
     stub = conductor_pb2_grpc.ConductorStub(channel)
+    as_engine = conductor_pb2_grpc.ConductorStub(engine_channel)
+    as_store = conductor_pb2_grpc.ConductorStub(store_channel)
     await _wait(lambda: _engines(stub), args.engines)
 
     # --- load ~1M residency records ---
@@ -180,7 +204,7 @@ async def _bench(args, etcd, address, results) -> None:
         refs = [common_pb2.BlockRef(block_hash=k.block_hash, token_count=BS) for k in keys]
         ident = common_pb2.Identity(model_id=MODEL, tokenizer_id=TOKENIZER, tenant_id=tenant)
         async with sem:
-            await stub.Observe(
+            await as_engine.Observe(
                 conductor_pb2.ObserveRequest(
                     engine_id=engine_ids[c % len(engine_ids)], identity=ident, blocks=refs
                 ),
@@ -198,7 +222,7 @@ async def _bench(args, etcd, address, results) -> None:
                         block_hashes=[k.block_hash for k in keys], block_size=BS, medium="cpu_dram"
                     )
                 )
-                await stub.IngestKvEvents(batch, timeout=30)
+                await as_store.IngestKvEvents(batch, timeout=30)
         progress.advance()
 
     await asyncio.gather(*(load(c) for c in range(chains)))
@@ -243,7 +267,7 @@ async def _bench(args, etcd, address, results) -> None:
     async def plan_address() -> str:
         return (await stub.Stats(conductor_pb2.StatsRequest(), timeout=5)).plan_address
 
-    port = PlanPortClient(plan_address)
+    port = PlanPortClient(plan_address, gateway_tls)
     progress = Progress("plan latency", 4 * args.plans)
     base = []
     for _ in range(args.plans):
@@ -312,7 +336,9 @@ async def _bench(args, etcd, address, results) -> None:
     results["events_in_process_map"] = _ingest_in_process(map_payloads, "map form")
     results["events_zmq"] = await _ingest_zmq(payloads, registry, stub, zmq_port)
     await registry.close()
-    await channel.close()
+    await store_registry.close()
+    for open_channel in (channel, engine_channel, store_channel):
+        await open_channel.close()
 
 
 def _vllm_payloads(blocks: int, nprng, *, maps: bool = False) -> list[bytes]:
@@ -472,7 +498,8 @@ def _report(args, results) -> None:
     print(
         f"\nConductor: {args.engines} engines, {args.stores} stores, "
         f"{results['resident_records']:,} resident records (loaded in {results['load_s']:.1f} s), "
-        f"{args.prompt_blocks}-block prompts"
+        f"{args.prompt_blocks}-block prompts, "
+        + ("plaintext (--insecure)" if args.insecure else "mutual TLS on every call")
     )
     print(
         render_table(
@@ -563,11 +590,12 @@ def _report(args, results) -> None:
         )
     )
     print(
-        "baselines: a gRPC health Check (latency, calls/s); msgpack decoding alone; in-process ingest"
+        "baselines: a gRPC health Check (latency, calls/s; on the gateway's channel, so over "
+        "the same TLS); msgpack decoding alone; in-process ingest"
     )
     print(
         "the Plan goals are judged over gRPC (PlanStream) as the issue asks, and shown for the "
-        "plan port (the same messages over plain TCP, the gateway's path)"
+        "plan port (the same messages over a raw TLS stream, the gateway's path)"
     )
     for name, met in goals:
         print(f"  goal {name}: {'met' if met else 'NOT met'}")

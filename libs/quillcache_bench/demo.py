@@ -7,6 +7,12 @@ multi-tenant chat workload with every policy: each request is hashed, planned
 (locate, guard, cost function), reserved on its engine, and its prefix recorded as
 resident. It then shows the guard refusing another tenant's blocks, and an engine
 whose lease is revoked disappearing from the plans. Prints a table per step.
+
+etcd runs as a secure cluster's does (certificates made in a temp dir): TLS, client
+certificates, and its roles. Engines are registered with the `engine` certificate,
+store nodes with the `store` one (etcd lets each role write only its own kind of
+record, and refuses a store writing an engine's: shown too), and the fleet is watched
+as the `conductor`. `--insecure` runs a plaintext etcd instead.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ import argparse
 import asyncio
 import logging
 import random
+import tempfile
 import time
+from pathlib import Path
 
 from quillcache_bench.common import render_table
+from quillcache_bench.secure import bench_certs, role_tls
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index import MemoryIndex
 from quillcache_core.launch.etcd_server import EtcdServer
@@ -29,7 +38,12 @@ from quillcache_core.model import (
     RequestShape,
     WorkerState,
 )
-from quillcache_core.registry import NodeRecord, NodeRegistry, open_registry
+from quillcache_core.registry import (
+    NodeRecord,
+    NodeRegistry,
+    RegistryAccessDenied,
+    open_registry,
+)
 from quillcache_core.routing.actions import ActionKind
 from quillcache_core.routing.decide import plan_request
 from quillcache_core.routing.policy import Fleet
@@ -43,19 +57,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=400, help="requests per policy")
     parser.add_argument("--lease-ttl-s", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="a plaintext etcd without users or roles (the default is TLS with client "
+        "certificates and a role per component)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    with EtcdServer() as etcd:
-        print(f"etcd ready at {etcd.client_url}")
-        return asyncio.run(_run(etcd.client_url, args))
+    with tempfile.TemporaryDirectory(prefix="qc-demo-") as tmp:
+        certs = bench_certs(Path(tmp), args.insecure)
+        with EtcdServer(Path(tmp) / "etcd", tls_dir=certs) as etcd:
+            how = "plaintext" if certs is None else "TLS, client certificates, a role each"
+            print(f"etcd ready at {etcd.client_url} ({how})")
+            return asyncio.run(_run(etcd.client_url, certs, args))
 
 
-async def _run(etcd_url: str, args: argparse.Namespace) -> int:
-    registry = open_registry(etcd_url)
+async def _run(etcd_url: str, certs: Path | None, args: argparse.Namespace) -> int:
+    # Each component's records are written with its own certificate; the fleet is
+    # watched as the conductor watches it.
+    registry = open_registry(etcd_url, role_tls(certs, "engine"))
+    stores = open_registry(etcd_url, role_tls(certs, "store"))
+    watcher = open_registry(etcd_url, role_tls(certs, "conductor"))
     try:
         for i in range(4):
             await registry.register(
@@ -72,7 +99,7 @@ async def _run(etcd_url: str, args: argparse.Namespace) -> int:
                 args.lease_ttl_s,
             )
         for j in range(2):
-            await registry.register(
+            await stores.register(
                 NodeRecord(
                     kind="store",
                     id=f"store-{j}",
@@ -81,9 +108,11 @@ async def _run(etcd_url: str, args: argparse.Namespace) -> int:
                 ),
                 args.lease_ttl_s,
             )
-        view = FleetView(registry)
+        view = FleetView(watcher)
         await view.wait_for(engines=4, stores=2)
         print(f"fleet from the registry watch: {sorted(view.engines)} + {sorted(view.stores)}")
+        if certs is not None:
+            await _show_rbac(stores, args)
 
         # Off the event loop, so lease keepalives and the watch keep running meanwhile.
         rows = [await asyncio.to_thread(_route_workload, name, view, args) for name in POLICY_NAMES]
@@ -115,8 +144,28 @@ async def _run(etcd_url: str, args: argparse.Namespace) -> int:
             chosen.add(plan_request(index, policy, req, view.fleet(), random.Random(n)).engine.id)
         print(f"\nafter engine-0's lease is revoked, 50 plans chose only {sorted(chosen)}")
     finally:
-        await registry.close()
+        for opened in (registry, stores, watcher):
+            await opened.close()
     return 0
+
+
+async def _show_rbac(stores: NodeRegistry, args: argparse.Namespace) -> None:
+    """A store's certificate trying to register an engine: etcd refuses it."""
+    forged = NodeRecord(
+        kind="engine",
+        id="engine-forged",
+        address="",
+        locality_domain="rack-0",
+        base_url="https://127.0.0.1:9999",
+        model=MODEL,
+        tokenizer=TOKENIZER,
+    )
+    try:
+        await stores.register(forged, args.lease_ttl_s)
+    except RegistryAccessDenied as exc:
+        print(f"etcd refuses the store's certificate an engine record: {exc}")
+    else:
+        raise RuntimeError("etcd let a store register an engine")
 
 
 class FleetView:

@@ -9,6 +9,15 @@ number of pairs in flight on both paths (--concurrency). Reports p50/p99 of what
 user sees, the time to the first body byte and to the full answer, for streaming and
 non-streaming requests, and of the per-pair difference (the gateway's overhead).
 Warm-up pairs are not counted. Goal (issue 4): added p50 <= 2 ms.
+
+The cluster is secure as `quillcache up` runs it (certificates in its temp dir,
+mutual TLS between the processes, etcd with its roles). The client calls each path
+with the credentials it takes in a deployment: the gateway over HTTPS as a tenant (its
+API key, the CA to verify the gateway by), the engine over HTTPS as the gateway does
+(the gateway's certificate and the engine credential, and the tenant's cache salt as
+the gateway derives it), the gateway's /metrics as the operator. Both paths pay TLS;
+the gateway's adds its own hops (the plan port to the conductor, HTTPS to the
+engine). `--insecure` measures the plaintext stack instead.
 """
 
 from __future__ import annotations
@@ -24,8 +33,17 @@ import aiohttp
 import numpy as np
 
 from quillcache_bench.common import Progress, render_table, write_results
+from quillcache_bench.secure import (
+    INSECURE_HELP,
+    as_gateway,
+    operator_context,
+    role_tls,
+    tenant_context,
+)
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.etcd_server import EtcdServer
+from quillcache_core.security.certs import make_certs
+from quillcache_core.security.tenants import tenant_salt
 
 MODES = ("plain", "stream")
 
@@ -39,7 +57,9 @@ class PathCluster(LocalCluster):
 
     def _start(self, timeout_s: float) -> dict:
         (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.etcd = EtcdServer(self.data_dir / "etcd")
+        certs = None if self.insecure else make_certs(self.certs_dir)
+        self.tls = role_tls(certs, "operator")
+        self.etcd = EtcdServer(self.data_dir / "etcd", tls_dir=certs)
         self.etcd.start()
         registry = ["--registry", self.etcd.client_url, "--lease-ttl-s", str(self.lease_ttl_s)]
         index = ["--index-backend", self.index_backend]
@@ -74,6 +94,10 @@ class PathCluster(LocalCluster):
             "engines": [e.fields["http"] for e in engines],
             "api_keys": dict(self.api_keys),
             "pids": {c.name: c.proc.pid for c in self.children},
+            "tls": None
+            if self.tls is None
+            else {"ca": str(self.tls.ca), "cert": str(self.tls.cert), "key": str(self.tls.key)},
+            "certs_dir": None if self.insecure else str(self.certs_dir),
         }
 
 
@@ -102,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="keep the cluster up this long before measuring (to attach a profiler)",
     )
+    parser.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     parser.add_argument("--out-dir", default="bench/results")
     return parser
 
@@ -117,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             time_scale=0.0001,
             index_backend=args.index_backend,
             log=lambda *_: None,
+            insecure=args.insecure,
         )
         endpoints = cluster.start()
         try:
@@ -132,14 +158,25 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _measure(endpoints: dict, args) -> dict:
     tenant, key = next(iter(endpoints["api_keys"].items()))
-    # The engine gets the gateway's cache salt for the tenant, to compare like with like.
+    certs = endpoints["certs_dir"]
+    # The engine is called as the gateway calls it (its certificate, the engine
+    # credential) with the gateway's cache salt for the tenant, to compare like with like.
+    engine_ssl, engine_auth = as_gateway(certs)
+    gateway_tls = role_tls(certs, "gateway")
+    salt = tenant_salt(gateway_tls.secret(), tenant) if gateway_tls else tenant
     targets = {
-        "gateway": (endpoints["gateway_url"], {"Authorization": f"Bearer {key}"}, {}),
+        "gateway": (
+            endpoints["gateway_url"],
+            {"Authorization": f"Bearer {key}"},
+            {},
+            tenant_context(endpoints),
+        ),
         **{
-            f"engine-{i}": (url, {}, {"cache_salt": tenant})
+            f"engine-{i}": (url, engine_auth, {"cache_salt": salt}, engine_ssl)
             for i, url in enumerate(endpoints["engines"])
         },
     }
+    metrics_ssl = operator_context(endpoints)
     rng = random.Random(args.seed)
     progress = Progress("gateway overhead", 2 * (args.warmup + args.requests))
     connector = aiohttp.TCPConnector(limit=0)
@@ -164,9 +201,9 @@ async def _measure(endpoints: dict, args) -> dict:
                     rng.shuffle(order)
                     got = {}
                     for path in order:
-                        url, headers, extra = targets[path]
+                        url, headers, extra, context = targets[path]
                         got[path] = await _one(
-                            session, url + "/v1/completions", {**body, **extra}, headers
+                            session, url + "/v1/completions", {**body, **extra}, headers, context
                         )
                     done.append((n, got[engine], got["gateway"]))
                     progress.advance()
@@ -176,20 +213,20 @@ async def _measure(endpoints: dict, args) -> dict:
 
         for mode in MODES:
             await pairs(mode, 0, args.warmup)
-        before = await _gateway_metrics(session, endpoints["gateway_url"])
+        before = await _gateway_metrics(session, endpoints["gateway_url"], metrics_ssl)
         samples: dict = {}
         for mode in MODES:
             measured = await pairs(mode, args.warmup, args.requests)
             samples[f"engine/{mode}"] = [p[1][:2] for p in measured]
             samples[f"gateway/{mode}"] = [p[2][:2] for p in measured]
             samples[f"plan_us/{mode}"] = [p[2][2] for p in measured]
-        after = await _gateway_metrics(session, endpoints["gateway_url"])
+        after = await _gateway_metrics(session, endpoints["gateway_url"], metrics_ssl)
     samples["stages"] = _stages(before, after)
     return samples
 
 
-async def _gateway_metrics(session, url: str) -> dict[str, float]:
-    async with session.get(url + "/metrics") as reply:
+async def _gateway_metrics(session, url: str, context) -> dict[str, float]:
+    async with session.get(url + "/metrics", ssl=_ssl(context)) as reply:
         text = await reply.text()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -216,10 +253,15 @@ def _stages(before: dict, after: dict) -> dict[str, float]:
     }
 
 
-async def _one(session, url, body, headers) -> tuple[float, float, int]:
+def _ssl(context):
+    """aiohttp's `ssl` argument: the context, or its default for plain HTTP."""
+    return context if context is not None else True
+
+
+async def _one(session, url, body, headers, context) -> tuple[float, float, int]:
     """Seconds to the first body byte and to the end of the answer; the plan's time (us)."""
     started = time.perf_counter()
-    async with session.post(url, json=body, headers=headers) as reply:
+    async with session.post(url, json=body, headers=headers, ssl=_ssl(context)) as reply:
         if reply.status != 200:
             raise SystemExit(f"{url} answered {reply.status}: {await reply.text()}")
         first = None
@@ -232,7 +274,7 @@ async def _one(session, url, body, headers) -> tuple[float, float, int]:
 
 def _report(samples: dict, args) -> None:
     rows = []
-    out: dict = {"config": vars(args), "modes": {}}
+    out: dict = {"config": vars(args), "tls": not args.insecure, "modes": {}}
     for mode in MODES:
         engine = np.array(samples[f"engine/{mode}"]) * 1000
         gateway = np.array(samples[f"gateway/{mode}"]) * 1000
@@ -251,6 +293,12 @@ def _report(samples: dict, args) -> None:
                 "added_p99_ms": a99,
             }
     print()
+    print(
+        "plaintext (--insecure)"
+        if args.insecure
+        else "HTTPS on both paths (the gateway's: a tenant's; the engine's: mutual TLS as the "
+        "gateway), mutual TLS between the gateway and the conductor"
+    )
     print(
         render_table(
             [

@@ -37,6 +37,18 @@ kept until the last durable round: deleted, it would hand its pages to the durab
 pass that follows it. A durable put that also keeps a DRAM copy (its own row, no goal)
 does all that and fills the DRAM tier too: while the bench fills the store, each copy
 lands in new memory as well, so that row pays first-touch costs twice.
+
+The QuillCache processes run as a secure cluster does (certificates made in the run's
+temp dir, `--tls-dir`): every gRPC call and every block-data connection is mutual TLS,
+with the role that makes it in a deployment: puts, gets, deletes and data-port puts as
+`engine` (the KV connector's role), Store.Pull as `transfer` (the only role allowed
+it), Transfer.Copy and Locate as `operator`; the stores pull from each other as
+`store`. So TLS is part of every store and peer figure. The baselines (raw TCP, the
+bare gRPC server, raw fsync'd writes) are not QuillCache processes and stay plaintext:
+the ratios against them, goals included, now include the cost of TLS. One more paired
+row, raw TLS loopback (the raw TCP stream over mutual TLS with a store's certificate,
+no goal), shows what TLS alone costs. `--insecure` measures the plaintext stack
+instead (no certificates anywhere, no raw TLS row).
 """
 
 from __future__ import annotations
@@ -66,6 +78,7 @@ from quillcache_bench.baselines import (
     raw_tcp,
 )
 from quillcache_bench.common import Progress, render_table, write_results
+from quillcache_bench.secure import INSECURE_HELP, bench_certs, role_tls, security_args
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store.tiers.ssd_records import tune_malloc_for_large_values
 
@@ -73,6 +86,7 @@ MIB = 1024 * 1024
 DURABLE = "durable put to SSD, data port (group commit)"
 DURABLE_CACHED = "durable put to SSD + DRAM copy, data port"
 DURABLE_GRPC = "durable put to SSD, gRPC (group commit)"
+RAW_TLS = "raw TLS loopback (paired)"
 GOALS = (
     ("peer fetch: transfer Copy A->B", "raw TCP loopback (paired)", 0.50),
     (DURABLE, "raw write + fdatasync", 0.60),
@@ -97,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--window", type=int, default=8, help="transfer window (blocks)")
     parser.add_argument("--repeat", type=int, default=3, help="passes per figure (median)")
     parser.add_argument("--data-dir", default="", help="where stores write (default: a temp dir)")
+    parser.add_argument("--insecure", action="store_true", help=INSECURE_HELP)
     parser.add_argument("--out-dir", default="bench/results")
     return parser
 
@@ -172,12 +187,13 @@ async def _timed(clients, blocks: int, op: Callable[[object, int], Awaitable[Non
 
 
 async def store_figures(
-    address: str, args, payloads, scratch: Path, progress: Progress
+    address: str, args, payloads, scratch: Path, progress: Progress, certs: Path | None = None
 ) -> dict[str, list[float]]:
     from quillcache_store.client import StoreClient
 
     n, size = args.blocks, args.block_bytes
-    clients = [StoreClient(address, timeout_s=60) for _ in range(args.clients)]
+    engine = role_tls(certs, "engine")  # who puts and gets blocks: the KV connector
+    clients = [StoreClient(address, timeout_s=60, tls=engine) for _ in range(args.clients)]
     out: dict[str, list[float]] = {}
 
     def payload(i: int) -> bytes:
@@ -191,11 +207,12 @@ async def store_figures(
         progress.advance()
 
     writers = clients + [
-        StoreClient(address, timeout_s=60) for _ in range(args.durable_clients - len(clients))
+        StoreClient(address, timeout_s=60, tls=engine)
+        for _ in range(args.durable_clients - len(clients))
     ]
     data_address = (await clients[0].stats())["data_address"]
     pushers = [
-        StoreClient(address, timeout_s=60, data_address=data_address)
+        StoreClient(address, timeout_s=60, data_address=data_address, tls=engine)
         for _ in range(args.durable_clients)
     ]
     try:
@@ -250,13 +267,14 @@ async def store_figures(
     return out
 
 
-async def _wait_indexed(conductor: str, key: KvBlockKey, node: str, timeout_s: float = 20) -> None:
-    import grpc.aio
-
+async def _wait_indexed(
+    conductor: str, key: KvBlockKey, node: str, certs: Path | None, timeout_s: float = 20
+) -> None:
     from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+    from quillcache_core.security.tls import grpc_channel
     from quillcache_store import wire
 
-    async with grpc.aio.insecure_channel(conductor) as channel:
+    async with grpc_channel(conductor, role_tls(certs, "operator")) as channel:
         stub = conductor_pb2_grpc.ConductorStub(channel)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -281,19 +299,26 @@ async def peer_figures(
     args,
     payloads,
     progress: Progress,
+    certs: Path | None = None,
 ) -> dict[str, list[float]]:
-    import grpc.aio
-
     from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
+    from quillcache_core.security.tls import grpc_channel
     from quillcache_store import wire
     from quillcache_store.client import StoreClient
 
     n, size = args.blocks, args.block_bytes
     keys = [_key(i, "peer") for i in range(n)]
-    source = StoreClient(a, timeout_s=60)
-    dest = [StoreClient(b, timeout_s=60) for _ in range(args.clients)]
+    engine = role_tls(certs, "engine")
+    source = StoreClient(a, timeout_s=60, tls=engine)
+    dest = [StoreClient(b, timeout_s=60, tls=engine) for _ in range(args.clients)]
+    # Only the transfer service may ask a node to pull (Store.Pull).
+    puller = StoreClient(b, timeout_s=60, tls=role_tls(certs, "transfer"))
+    operator = role_tls(certs, "operator")
     paired = "raw TCP loopback (paired)"
     distinct = "raw TCP loopback, distinct buffers (paired)"
+    # The same stream over TLS with a store's certificate (as peers pull): what TLS
+    # itself costs, beside the plaintext baseline of the goal.
+    peer_tls = role_tls(certs, "store")
     buffers = distinct_buffers(min(n, 128), size)
     copy, pull, copy_grpc = (
         "peer fetch: transfer Copy A->B",
@@ -304,6 +329,7 @@ async def peer_figures(
     out: dict[str, list[float]] = {
         paired: [],
         distinct: [],
+        **({RAW_TLS: []} if peer_tls else {}),
         copy: [],
         pull: [],
         copy_grpc: [],
@@ -321,7 +347,7 @@ async def peer_figures(
     )
 
     async def run_copy(address: str) -> float:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc_channel(address, operator) as channel:
             stub = transfer_pb2_grpc.TransferStub(channel)
             start = time.perf_counter()
             final = None
@@ -334,7 +360,7 @@ async def peer_figures(
 
     async def run_pull() -> float:
         start = time.perf_counter()
-        pulled = dest[0].open_pull("store-a", a_data, keys, timeout_s=300)
+        pulled = puller.open_pull("store-a", a_data, keys, timeout_s=300)
         results = [r async for batch in pulled for r in batch]
         seconds = time.perf_counter() - start
         if len(results) != n or not all(r.ok for r in results):
@@ -343,7 +369,7 @@ async def peer_figures(
 
     try:
         await _timed([source], n, lambda c, i: c.put(keys[i], payloads[i % len(payloads)]))
-        await _wait_indexed(conductor, keys[-1], "store-a")
+        await _wait_indexed(conductor, keys[-1], "store-a", certs)
         a_data = (await source.stats())["data_address"]
         # The first pass warms B's buffer pool; its figures are not kept. Each pass
         # follows a raw TCP pass: the machine's speed drifts (other tenants).
@@ -353,6 +379,9 @@ async def peer_figures(
                 out[paired].append(_gbps(n * size, raw_s))
                 raw_s = await asyncio.to_thread(raw_tcp, n, size, buffers)
                 out[distinct].append(_gbps(n * size, raw_s))
+                if peer_tls is not None:
+                    raw_s = await asyncio.to_thread(raw_tcp, n, size, None, peer_tls)
+                    out[RAW_TLS].append(_gbps(n * size, raw_s))
             for name, measure in (
                 (copy, lambda: run_copy(transfer)),
                 (pull, run_pull),
@@ -365,7 +394,7 @@ async def peer_figures(
                 await dest[0].delete(keys)
             progress.advance()
     finally:
-        for client in [source, *dest]:
+        for client in [source, *dest, puller]:
             await client.close()
     return out
 
@@ -421,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from quillcache_core.launch.etcd_server import EtcdServer
 
-        etcd = EtcdServer(tmp / "etcd").start()
-        registry = ["--registry", etcd.client_url]
+        certs = bench_certs(tmp, args.insecure)
+        etcd = EtcdServer(tmp / "etcd", tls_dir=certs).start()
+        registry = ["--registry", etcd.client_url, *security_args(certs)]
         capacity = [
             "--dram-capacity-bytes",
             str(max(2048 * MIB, 10 * n * size)),
@@ -452,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         services.append(transfer_grpc)
 
-        figures.update(asyncio.run(store_figures(store_a.address, args, payloads, tmp, progress)))
+        figures.update(
+            asyncio.run(store_figures(store_a.address, args, payloads, tmp, progress, certs))
+        )
         figures.update(
             asyncio.run(
                 peer_figures(
@@ -464,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                     args,
                     payloads,
                     progress,
+                    certs,
                 )
             )
         )
@@ -490,6 +523,7 @@ BASELINE_OF = {
     DURABLE_CACHED: "raw write + fdatasync",
     DURABLE_GRPC: "raw write + fdatasync",
     "raw TCP loopback, distinct buffers (paired)": "raw TCP loopback (paired)",
+    RAW_TLS: "raw TCP loopback (paired)",
     "peer fetch: transfer Copy A->B": "raw TCP loopback (paired)",
     "peer fetch: Store.Pull on B (no transfer service)": "raw TCP loopback (paired)",
     "peer fetch: transfer Copy A->B (gRPC path)": "raw TCP loopback (paired)",
@@ -502,6 +536,7 @@ PAIRED = {
     DURABLE_CACHED,
     DURABLE_GRPC,
     "raw TCP loopback, distinct buffers (paired)",
+    RAW_TLS,
     "peer fetch: transfer Copy A->B",
     "peer fetch: Store.Pull on B (no transfer service)",
     "peer fetch: transfer Copy A->B (gRPC path)",
@@ -541,9 +576,15 @@ def _report(args, figures: dict[str, list[float]], elapsed: float) -> int:
         f"Store throughput: {args.blocks} blocks of {args.block_bytes / MIB:g} MiB per pass, "
         f"{args.clients} clients ({args.durable_clients} for durable puts), transfer window "
         f"{args.window}, median of {args.repeat} "
-        f"passes ({os.cpu_count()} CPUs, {elapsed:.0f}s)"
+        f"passes ({os.cpu_count()} CPUs, {elapsed:.0f}s), "
+        + ("plaintext (--insecure)" if args.insecure else "mutual TLS to every QuillCache port")
     )
     print(render_table(["measurement", "GB/s", "range", "vs", "ratio"], rows))
+    if not args.insecure:
+        print(
+            "(the baselines are plaintext, no QuillCache process on their path: the ratios "
+            f"include the cost of TLS; '{RAW_TLS}' is that stream over TLS alone)"
+        )
     print()
     goals = []
     for name, base, target in GOALS:
@@ -554,7 +595,13 @@ def _report(args, figures: dict[str, list[float]], elapsed: float) -> int:
         )
         verdict = "met" if met else "NOT MET"
         print(f"goal {name} >= {target:.0%} of {base}: {ratio:.0%} -> {verdict}")
-    payload = {"config": vars(args), "results": results, "goals": goals, "elapsed_s": elapsed}
+    payload = {
+        "config": vars(args),
+        "tls": not args.insecure,
+        "results": results,
+        "goals": goals,
+        "elapsed_s": elapsed,
+    }
     path = write_results("store", payload, args.out_dir)
     png = _plot(median, path.with_suffix(".png"))
     shutil.copy(png, png.with_name("store-latest.png"))
@@ -571,7 +618,7 @@ def _plot(median: dict[str, float], path: Path) -> Path:
     names = list(median)
     colors = [
         "tab:gray"
-        if n not in BASELINE_OF or n.startswith("bare")
+        if n not in BASELINE_OF or n.startswith(("bare", "raw"))
         else ("tab:green" if n.startswith("peer") else "tab:blue")
         for n in names
     ]

@@ -6,11 +6,14 @@ Loaded by vLLM with
       "kv_connector_module_path": "quillcache_vllm.connector", "kv_role": "kv_both",
       "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"store": "HOST:PORT", "model": "tiny",
-        "tokenizer": "/models/tiny", "index_block_tokens": 16, "metrics_port": 9400}}'
+        "tokenizer": "/models/tiny", "index_block_tokens": 16, "metrics_port": 9400,
+        "tls_dir": "/certs"}}'
 
-(`store`: the engine's store node, gRPC; `model` and `tokenizer` as the engine's registry
-record names them; `metrics_port`: the worker's counters at /metrics, 0 = none;
-`max_pending_bytes`: the save queue's bound.)
+(`store`: the engine's store node, gRPC; `tls_dir`: the cluster's certificates, used as
+the `engine` role (`"insecure": true` instead for an --insecure pool); `model` and
+`tokenizer` as the engine's registry record names them; `metrics_port`: the worker's
+counters at /metrics (HTTPS with `tls_dir`), 0 = none; `max_pending_bytes`: the save
+queue's bound.)
 
 vLLM builds one instance in its scheduler and one in its worker.
 
@@ -48,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from quillcache_core.identity.keys import block_identity
 from quillcache_core.model import KvBlockKey
+from quillcache_core.security.tls import Tls
 from quillcache_vllm import metrics
 from quillcache_vllm.pool import Pool
 
@@ -104,8 +108,14 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self.parts = self.block_size // self.index_block
         self.model = str(extra.get("model") or vllm_config.model_config.served_model_name)
         self.tokenizer = str(extra.get("tokenizer", ""))
+        # The pool is reached as an engine, over mutual TLS, unless `insecure` is set.
+        if not extra.get("insecure") and not extra.get("tls_dir"):
+            raise ValueError("kv_connector_extra_config needs tls_dir (or insecure: true)")
+        tls = None if extra.get("insecure") else Tls.from_dir(str(extra["tls_dir"]), "engine")
         self.pool = Pool(
-            str(extra["store"]), max_pending_bytes=int(extra.get("max_pending_bytes", 256 << 20))
+            str(extra["store"]),
+            max_pending_bytes=int(extra.get("max_pending_bytes", 256 << 20)),
+            tls=tls,
         )
         # scheduler side
         self._tracked: dict[str, _Tracked] = {}
@@ -115,7 +125,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self._metrics = None
         if role == KVConnectorRole.WORKER and int(extra.get("metrics_port", 0)) > 0:
             self._metrics = metrics.serve(
-                self.pool.counters, "127.0.0.1", int(extra["metrics_port"])
+                self.pool.counters, "127.0.0.1", int(extra["metrics_port"]), tls
             )
         logger.info(
             "QuillCache connector (%s) on store %s: %s/%s, %d-token blocks as %d index blocks",

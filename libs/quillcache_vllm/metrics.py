@@ -25,8 +25,9 @@ def render(counters: PoolCounters) -> str:
     return "\n".join(lines) + "\n"
 
 
-def serve(counters: PoolCounters, host: str, port: int) -> ThreadingHTTPServer:
-    """Serve GET /metrics in a daemon thread; returns the server (its port is bound)."""
+def serve(counters: PoolCounters, host: str, port: int, tls=None) -> ThreadingHTTPServer:
+    """Serve GET /metrics in a daemon thread; returns the server (its port is bound).
+    With `tls` (a `Tls`), HTTPS that demands a certificate of the cluster's CA."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
@@ -44,5 +45,10 @@ def serve(counters: PoolCounters, host: str, port: int) -> ThreadingHTTPServer:
             return
 
     server = ThreadingHTTPServer((host, port), Handler)
+    if tls is not None:
+        # The handshake runs in the connection's own thread, on its first read.
+        server.socket = tls.server_context().wrap_socket(
+            server.socket, server_side=True, do_handshake_on_connect=False
+        )
     threading.Thread(target=server.serve_forever, name="quillcache-metrics", daemon=True).start()
     return server

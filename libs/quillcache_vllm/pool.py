@@ -42,7 +42,12 @@ class PoolCounters:
 
 class Pool:
     def __init__(
-        self, store_address: str, *, timeout_s: float = 10.0, max_pending_bytes: int = 256 << 20
+        self,
+        store_address: str,
+        *,
+        timeout_s: float = 10.0,
+        max_pending_bytes: int = 256 << 20,
+        tls=None,
     ) -> None:
         self.store_address = store_address
         self.timeout_s = timeout_s
@@ -54,7 +59,7 @@ class Pool:
         self._thread = threading.Thread(target=self._loop.run_forever, name="quillcache-pool")
         self._thread.daemon = True
         self._thread.start()
-        self._client = StoreClient(store_address, timeout_s=timeout_s)
+        self._client = StoreClient(store_address, timeout_s=timeout_s, tls=tls)
 
     def _call(self, coro) -> object:
         future: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)

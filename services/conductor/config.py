@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.process.settings import opt
 from quillcache_core.routing.references import POLICY_NAMES
+from quillcache_core.security.tls import TlsSettings
 
 
 @dataclass(frozen=True)
-class ConductorConfig:
+class ConductorConfig(TlsSettings):
     host: str = opt("127.0.0.1", "address to bind the gRPC and metrics ports on")
     port: int = opt(0, "gRPC port (0 = a free port, printed on the READY line)")
     metrics_port: int = opt(0, "HTTP port for /metrics and /health (0 = a free port)")
@@ -61,6 +62,7 @@ class ConductorConfig:
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.index_backend == "lmdb" and not self.index_path:
             raise InvalidArgument("--index-path is required with --index-backend lmdb")
         if self.reservation_ttl_s <= 0:

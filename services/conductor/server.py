@@ -24,6 +24,7 @@ from quillcache_core.routing.references import make_policy
 from quillcache_core.rpc.plan_port import PlanPortServer
 from quillcache_core.rpc.server import (
     add_health_and_reflection,
+    grpc_server,
     set_serving,
     start_metrics_app,
     start_server,
@@ -64,7 +65,8 @@ class ConductorServer:
         self.metrics = MetricsRegistry()
         self.events = EventRouter(self.state, self.metrics, subscribe_zmq=config.kv_events)
         self._register_metrics()
-        self.registry = open_registry(config.registry)
+        self.tls = config.tls("conductor")
+        self.registry = open_registry(config.registry, self.tls)
         self.server: grpc.aio.Server | None = None
         self.plan_port: PlanPortServer | None = None
         self.servicer: ConductorServicer | None = None
@@ -175,28 +177,35 @@ class ConductorServer:
             "plan-port frames too big or unparsable (their connection was closed)",
             read=lambda: [((), self.plan_port.rejected_frames if self.plan_port else 0)],
         )
+        m.gauge(
+            "plan_port_refused_connections_total",
+            "plan-port connections refused for the caller's role",
+            read=lambda: [((), self.plan_port.refused_connections if self.plan_port else 0)],
+        )
 
     async def start(self) -> None:
         cfg = self.config
-        server = grpc.aio.server(
-            options=[
+        server = grpc_server(
+            self.tls,
+            self.metrics,
+            [
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         self.servicer = servicer = ConductorServicer(
             self.state, self.events, cfg.max_blocks_per_request, cfg.plan_alternatives
         )
         conductor_pb2_grpc.add_ConductorServicer_to_server(servicer, server)
         if cfg.plan_port >= 0:
-            self.plan_port = PlanPortServer(servicer.handle_calls)
+            self.plan_port = PlanPortServer(servicer.handle_calls, self.tls)
             port = await self.plan_port.start(cfg.host, cfg.plan_port)
             servicer.plan_address = f"{cfg.advertise_host or cfg.host}:{port}"
         health = add_health_and_reflection(server, [SERVICE_NAME])
-        self.grpc_port = await start_server(server, cfg.host, cfg.port)
+        self.grpc_port = await start_server(server, cfg.host, cfg.port, self.tls)
         self.server = server
         self._runner, self.metrics_port = await start_metrics_app(
-            self.metrics, cfg.host, cfg.metrics_port
+            self.metrics, cfg.host, cfg.metrics_port, tls=self.tls
         )
         # Workers the reopened index holds, before any event: those the registry no
         # longer lists left while this conductor was down.
@@ -225,7 +234,7 @@ class ConductorServer:
         plan = f" plan={host}:{self.plan_port.port}" if self.plan_port is not None else ""
         return (
             f"READY conductor grpc={host}:{self.grpc_port} "
-            f"metrics=http://{host}:{self.metrics_port}{plan}"
+            f"metrics={'https' if self.tls else 'http'}://{host}:{self.metrics_port}{plan}"
         )
 
     async def _watch_registry(self) -> None:

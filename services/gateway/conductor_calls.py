@@ -20,6 +20,7 @@ from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_core.process.metrics import Counter
 from quillcache_core.rpc.plan_client import PlanClient
 from quillcache_core.rpc.plan_port import PlanPortClient, PlanPortUnreachable
+from quillcache_core.security.tls import Tls
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,12 @@ class ConductorCalls:
     the PlanStream (`PlanClient`, itself falling back to the unary RPCs).
     """
 
-    def __init__(self, channel: grpc.aio.Channel, use_plan_port: bool = True) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, use_plan_port: bool = True, tls: Tls | None = None
+    ) -> None:
         self._client = PlanClient(channel)
         self._stub = conductor_pb2_grpc.ConductorStub(channel)
-        self._port = PlanPortClient(self._plan_address) if use_plan_port else None
+        self._port = PlanPortClient(self._plan_address, tls) if use_plan_port else None
         self._port_retry_at = 0.0  # after the port was unreachable, PlanStream until then
         self.fallbacks = 0
 

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.process.settings import opt
+from quillcache_core.security.tls import TlsSettings
+from quillcache_gateway.limits import TenantLimit, check_limit, parse_tenant_limits
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(TlsSettings):
     host: str = opt("127.0.0.1", "address to bind the HTTP port on")
     port: int = opt(0, "HTTP port (0 = a free port, printed on the READY line)")
     conductor: str = opt("", "conductor gRPC address host:port ('' = find it in the registry)")
@@ -35,6 +37,36 @@ class GatewayConfig:
         256, "max_tokens when the request sets none (expected decode length)"
     )
     max_body_bytes: int = opt(4 * 1024 * 1024, "larger request bodies get 413")
+    max_json_depth: int = opt(
+        64,
+        "request bodies whose arrays and objects nest deeper get 400 (checked before "
+        "parsing; at most 512)",
+    )
+    max_tokens_limit: int = opt(
+        1_000_000,
+        "largest max_tokens / max_completion_tokens a request may ask for; larger gets 400",
+    )
+    max_ttft_slo_ms: int = opt(
+        3_600_000,
+        "largest x-quillcache-ttft-slo-ms header (1 hour); larger, or not a whole number "
+        "of ms, gets 400",
+    )
+    tenant_limits: str = opt(
+        "",
+        "per-tenant limits as tenant=rps:N,tpm:N,concurrent:N[;tenant=...]: requests a "
+        "second (may be fractional; bursts of one second), prompt tokens a minute (bursts "
+        "of one minute), requests in flight; a kind left out takes its --default-*, "
+        "0 = unlimited; over a limit: 429 with Retry-After",
+    )
+    default_rps: float = opt(
+        0.0, "requests a second of a tenant not in --tenant-limits (0 = unlimited)"
+    )
+    default_tpm: int = opt(
+        0, "prompt tokens a minute of a tenant not in --tenant-limits (0 = unlimited)"
+    )
+    default_concurrent: int = opt(
+        0, "requests in flight of a tenant not in --tenant-limits (0 = unlimited)"
+    )
     plan_timeout_s: float = opt(5.0, "deadline of a Plan or Finish call to the conductor")
     use_plan_port: bool = opt(
         True,
@@ -62,6 +94,7 @@ class GatewayConfig:
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.conductor and self.registry == "memory":
             raise InvalidArgument("--conductor is required unless --registry names an etcd")
         if self.block_size <= 0 or self.max_body_bytes <= 0:
@@ -76,6 +109,13 @@ class GatewayConfig:
             )
         parse_pairs(self.api_keys, "--api-keys")
         parse_pairs(self.cache_salts, "--cache-salts")
+        if not 1 <= self.max_json_depth <= 512:
+            raise InvalidArgument("--max-json-depth must be from 1 to 512")
+        if not 1 <= self.max_tokens_limit < 2**32 or not 1 <= self.max_ttft_slo_ms < 2**32:
+            raise InvalidArgument(
+                "--max-tokens-limit and --max-ttft-slo-ms must be from 1 to 2**32-1"
+            )
+        self.limits_by_tenant()
 
     def tenants_by_key(self) -> dict[str, str]:
         return {key: tenant for tenant, key in parse_pairs(self.api_keys, "--api-keys").items()}
@@ -83,6 +123,23 @@ class GatewayConfig:
     def salts_by_tenant(self) -> dict[str, str]:
         """Configured cache salts; a tenant not listed uses its own id."""
         return parse_pairs(self.cache_salts, "--cache-salts")
+
+    def default_limit(self) -> TenantLimit:
+        check_limit(self.default_rps, "--default-rps")
+        check_limit(self.default_tpm, "--default-tpm")
+        check_limit(self.default_concurrent, "--default-concurrent")
+        return TenantLimit(self.default_rps, self.default_tpm, self.default_concurrent)
+
+    def limits_by_tenant(self) -> dict[str, TenantLimit]:
+        """--tenant-limits, each tenant one of --api-keys' ('default' without keys)."""
+        limits = parse_tenant_limits(self.tenant_limits, self.default_limit())
+        known = set(parse_pairs(self.api_keys, "--api-keys")) or {"default"}
+        unknown = sorted(set(limits) - known)
+        if unknown:
+            raise InvalidArgument(
+                f"--tenant-limits names tenants without an API key: {', '.join(unknown)}"
+            )
+        return limits
 
 
 def parse_pairs(spec: str, flag: str) -> dict[str, str]:

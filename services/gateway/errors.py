@@ -24,6 +24,7 @@ class ApiError(Exception):
         type_: str = "invalid_request_error",
         code: str | None = None,
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -31,6 +32,7 @@ class ApiError(Exception):
         self.type = type_
         self.code = code
         self.param = param
+        self.headers = headers  # sent with the error (429's Retry-After)
 
 
 def from_domain(exc: QuillCacheError) -> ApiError:
@@ -39,7 +41,7 @@ def from_domain(exc: QuillCacheError) -> ApiError:
     if isinstance(exc, NotFound):
         return ApiError(404, str(exc), code="not_found")
     if isinstance(exc, CapacityExceeded):
-        return ApiError(429, str(exc), type_="rate_limit_error")
+        return ApiError(429, str(exc), type_="rate_limit_error", headers={"Retry-After": "1"})
     if isinstance(exc, NodeUnavailable):
         return ApiError(503, str(exc), type_="service_unavailable", code="no_engine_available")
     return ApiError(500, str(exc), type_="internal_error")
@@ -52,4 +54,6 @@ def body(err: ApiError) -> dict:
 
 
 def response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    if err.headers:
+        headers = {**(headers or {}), **err.headers}
     return web.json_response(body(err), status=err.status, headers=headers)

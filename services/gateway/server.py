@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import secrets
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -35,14 +36,19 @@ from quillcache_core.model import CacheTier
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import open_registry
 from quillcache_core.rpc.server import error_from_status
+from quillcache_core.security.tenants import tenant_salt
+from quillcache_core.security.tls import grpc_channel, role_of_cert
 from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
 from quillcache_core.wire.plan import pack_hashes
 from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_gateway.conductor_calls import ConductorCalls, FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.errors import ApiError, from_domain, response
+from quillcache_gateway.limits import TenantLimiter
 from quillcache_gateway.models import ModelCatalog
+from quillcache_gateway.reservations import OpenPlans, early_outcome, shielded
 from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamPool
+from quillcache_gateway.validate import check_fields, parse_slo, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +108,11 @@ class _Call:
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
+        self.tls = config.tls("gateway")
         self.tenants = config.tenants_by_key()
         self.salts = config.salts_by_tenant()
+        # Tenants' salts are keyed hashes of their names (see security.tenants).
+        self._salt_key = self.tls.secret() if self.tls else b""
         self.catalog = ModelCatalog(
             config.tokenizers,
             config.block_size,
@@ -149,6 +158,8 @@ class Gateway:
         self.finish_dropped = m.counter(
             "gateway_finish_dropped_total", "Finish calls dropped because too many were queued"
         )
+        self.limits = TenantLimiter(config.limits_by_tenant(), config.default_limit(), m)
+        self.open_plans = OpenPlans(m, lambda finish: self._finishes.submit(finish))
         self.conductor: ConductorCalls | None = None
         self._stats: conductor_pb2_grpc.ConductorStub | None = None
         self._finishes: FinishQueue | None = None
@@ -170,8 +181,10 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.config
         address = cfg.conductor or await self._find_conductor()
-        self._channel = grpc.aio.insecure_channel(address)
-        self.conductor = ConductorCalls(self._channel, use_plan_port=cfg.use_plan_port)
+        self._channel = grpc_channel(address, self.tls)
+        self.conductor = ConductorCalls(
+            self._channel, use_plan_port=cfg.use_plan_port, tls=self.tls
+        )
         self._stats = conductor_pb2_grpc.ConductorStub(self._channel)
         self._finishes = FinishQueue(
             self.conductor,
@@ -184,6 +197,8 @@ class Gateway:
             connect_timeout_s=cfg.upstream_connect_timeout_s,
             total_timeout_s=cfg.upstream_timeout_s,
             idle_timeout_s=cfg.upstream_idle_timeout_s,
+            tls=self.tls,
+            engine_key=self.tls.engine_key() if self.tls else "",
         )
         app = web.Application(client_max_size=cfg.max_body_bytes)
         app.add_routes(
@@ -197,13 +212,22 @@ class Gateway:
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=self._ssl_context())
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001
         logger.info("gateway on %s:%d, conductor %s", cfg.host, self.port, address)
 
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        """HTTPS with the gateway's certificate. A client certificate is optional: API
+        clients have keys; /metrics wants a certificate of the cluster's CA."""
+        if self.tls is None:
+            return None
+        ctx = self.tls.server_context()
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+        return ctx
+
     async def _find_conductor(self, timeout_s: float = 15.0) -> str:
-        registry = open_registry(self.config.registry)
+        registry = open_registry(self.config.registry, self.tls)
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -217,7 +241,8 @@ class Gateway:
             await registry.close()
 
     def ready_line(self) -> str:
-        return f"READY gateway http=http://{self.config.host}:{self.port}"
+        scheme = "https" if self.tls else "http"
+        return f"READY gateway http={scheme}://{self.config.host}:{self.port}"
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -237,6 +262,12 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def render_metrics(self, request: web.Request) -> web.Response:
+        if self.tls is not None and not role_of_cert(
+            request.transport.get_extra_info("peercert") if request.transport else None
+        ):
+            return response(
+                ApiError(403, "/metrics needs a certificate of the cluster's CA", code="forbidden")
+            )
         return web.Response(text=self.metrics.render(), content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:
@@ -263,18 +294,32 @@ class Gateway:
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         arrived = time.perf_counter()
         request_id = f"qc-{self._id_prefix}{next(self._ids):012x}"
-        route = request.path
+        tenant = ""
+        status = "499"  # unless set below: the client left (the handler was cancelled)
         try:
             tenant = self._tenant(request)
-            raw, payload = await self._read_json(request)
-            job = await self._parse(raw, payload, kind)
-            slo_ms = self._slo_ms(request)
-            result = await self._proxy(request, request_id, arrived, tenant, job, slo_ms)
+            self.limits.enter(tenant)  # 429 over its requests a second or in flight
+            try:
+                cfg = self.config
+                raw, payload = await read_json(request, cfg.max_body_bytes, cfg.max_json_depth)
+                job = await self._parse(raw, payload, kind)
+                slo_ms = self._slo_ms(request)
+                self.limits.charge(tenant, len(job.tokens))  # 429 over its tokens a minute
+                result = await self._proxy(request, request_id, arrived, tenant, job, slo_ms)
+            finally:
+                self.limits.leave(tenant)
+            status = str(result.status)
+            return result
         except ApiError as err:
-            self.requests.inc(route=route, status=str(err.status))
+            status = str(err.status)
             return response(err, {"x-quillcache-request-id": request_id})
-        self.requests.inc(route=route, status=str(result.status))
-        return result
+        except Exception as exc:
+            status = "499" if isinstance(exc, ConnectionError) else "500"
+            raise
+        finally:
+            self.requests.inc(route=request.path, status=status)
+            if tenant:
+                self.limits.count(tenant, status)
 
     def _tenant(self, request: web.Request) -> str:
         if not self.tenants:
@@ -286,34 +331,11 @@ class Gateway:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return tenant
 
-    async def _read_json(self, request: web.Request) -> tuple[bytes, dict]:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(
-                413, f"request body exceeds {self.config.max_body_bytes} bytes"
-            ) from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ApiError(
-                400, f"request body is not valid UTF-8 ({exc.reason} at byte {exc.start})"
-            ) from None
-        try:
-            payload = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ApiError(
-                400,
-                f"request body is not valid JSON: {exc.msg} (line {exc.lineno} column {exc.colno})",
-            ) from None
-        if not isinstance(payload, dict):
-            raise ApiError(400, "request body must be a JSON object")
-        return raw, payload
-
     async def _parse(self, raw: bytes, payload: dict, kind: str) -> _Completion:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' must be a non-empty string", param="model")
+        max_tokens, stream = check_fields(payload, kind, self.config.max_tokens_limit)
         tokenizer_id = await self.catalog.served_tokenizer(model)
         if tokenizer_id is None:
             raise ApiError(
@@ -323,8 +345,6 @@ class Gateway:
                 param="model",
             )
         field = "messages" if kind == "chat" else "prompt"
-        if field not in payload:
-            raise ApiError(400, f"'{field}' is required", param=field)
         tokenizer = self.catalog.tokenizer_for(model, tokenizer_id)
         try:
             if tokenizer is None:
@@ -334,14 +354,9 @@ class Gateway:
                 tokens = request_tokens(kind, payload, tokenizer)
         except InvalidArgument as exc:
             raise ApiError(400, str(exc), param=field) from None
-        max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
-        if max_tokens is not None and (
-            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-        ):
-            raise ApiError(400, "'max_tokens' must be a positive integer", param="max_tokens")
-        stream = payload.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "'stream' must be a boolean", param="stream")
+        except (TypeError, ValueError, RecursionError) as exc:  # text no tokenizer reads
+            logger.info("cannot tokenize a request's %s: %r", field, exc)
+            raise ApiError(400, f"the {field} cannot be tokenized: {exc}", param=field) from None
         return _Completion(
             raw,
             payload,
@@ -353,16 +368,9 @@ class Gateway:
         )
 
     def _slo_ms(self, request: web.Request) -> int:
-        value = request.headers.get(SLO_HEADER)
-        if value is None:
-            return self.config.default_ttft_slo_ms
-        try:
-            slo = int(value)
-        except ValueError:
-            slo = 0
-        if slo <= 0:
-            raise ApiError(400, f"{SLO_HEADER} must be a positive integer of milliseconds")
-        return slo
+        cfg = self.config
+        slo = request.headers.get(SLO_HEADER)
+        return parse_slo(slo, cfg.default_ttft_slo_ms, cfg.max_ttft_slo_ms, SLO_HEADER)
 
     def _identity(self, tenant: str, model: str, tokenizer_id: str) -> _Identity:
         key = (tenant, model, tokenizer_id)
@@ -371,7 +379,9 @@ class Gateway:
             return found
         if len(self._identities) >= MAX_IDENTITIES:
             self._identities.clear()  # models are client input when an engine serves any
-        salt = self.salts.get(tenant, tenant)
+        salt = self.salts.get(tenant) or (
+            tenant_salt(self._salt_key, tenant) if self._salt_key else tenant
+        )
         identity = block_identity(model, tokenizer_id, cache_salt=salt)
         proto = {
             "model_id": identity.model_id,
@@ -390,28 +400,32 @@ class Gateway:
     async def _plan(self, call: _Call, excluded: list[str]):
         cfg = self.config
         started = time.perf_counter()
+        request = conductor_pb2.PlanRequest(
+            request_id=call.request_id,
+            identity=call.ident.plan_identity,
+            packed_hashes=call.packed,
+            block_tokens=call.block_size,
+            block_bytes=cfg.block_bytes,
+            action_runs=True,
+            max_others=0,  # the reply's other engines are never read here
+            prompt_tokens=len(call.job.tokens),
+            expected_decode_tokens=call.job.max_tokens,
+            slo=common_pb2.Slo(ttft_ms=call.slo_ms),
+            exclude_engines=excluded,
+        )
         try:
-            return await self.conductor.plan(
-                conductor_pb2.PlanRequest(
-                    request_id=call.request_id,
-                    identity=call.ident.plan_identity,
-                    packed_hashes=call.packed,
-                    block_tokens=call.block_size,
-                    block_bytes=cfg.block_bytes,
-                    action_runs=True,
-                    max_others=0,  # the reply's other engines are never read here
-                    prompt_tokens=len(call.job.tokens),
-                    expected_decode_tokens=call.job.max_tokens,
-                    slo=common_pb2.Slo(ttft_ms=call.slo_ms),
-                    exclude_engines=excluded,
-                ),
-                cfg.plan_timeout_s,
+            # In its own task: if the client leaves first, the plan's reservation is
+            # cancelled when it comes (reservations.py).
+            plan = await shielded(
+                self.conductor.plan(request, cfg.plan_timeout_s), self.open_plans.orphaned
             )
         except grpc.aio.AioRpcError as exc:
             raise from_domain(error_from_status(exc.code(), exc.details() or "")) from None
         finally:
             self.plan_sum.inc(time.perf_counter() - started)
             self.plan_count.inc()
+        self.open_plans.add(plan)
+        return plan
 
     async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms):
         ident = self._identity(tenant, job.model, job.tokenizer_id)
@@ -439,6 +453,11 @@ class Gateway:
             if upstream.status != 200 or not job.stream:
                 return await self._whole(request, upstream, plan, headers, call)
             return await self._stream(request, upstream, plan, headers, call)
+        except BaseException as exc:
+            # However the answer ended early (the client hung up: the handler was
+            # cancelled or a write failed), its reservation is finished; once.
+            self._finish_later(plan, early_outcome(exc), 0.0, call, observe=False)
+            raise
         finally:
             upstream.release()
 
@@ -448,9 +467,9 @@ class Gateway:
         job = call.job
         for _attempt in range(self.config.upstream_retries + 1):
             plan = await self._plan(call, excluded)
-            body = upstream_body(job.raw, job.payload, call.ident, self._plan_json(plan, call))
             sent = time.perf_counter()
             try:
+                body = upstream_body(job.raw, job.payload, call.ident, self._plan_json(plan, call))
                 upstream = await self._upstream.post(
                     plan.engine_base_url.rstrip("/"),
                     path,
@@ -468,6 +487,9 @@ class Gateway:
                 self._finish_later(plan, ERROR, 0.0, call, observe=False)
                 excluded.append(plan.engine_id)
                 continue
+            except BaseException as exc:  # the client left while the engine was called
+                self._finish_later(plan, early_outcome(exc), 0.0, call, observe=False)
+                raise
             self.engine_head_sum.inc(time.perf_counter() - sent)
             self.engine_head_count.inc()
             return plan, upstream
@@ -587,7 +609,12 @@ class Gateway:
             self.slo_met.inc()
 
     def _finish_later(self, plan, outcome, ttft_s: float, call: _Call, *, observe: bool) -> None:
-        """Queue Finish; with `observe`, the prompt's blocks are recorded on the engine."""
+        """Queue Finish; with `observe`, the prompt's blocks are recorded on the engine.
+
+        A plan is finished once: later calls for it (an exit path's catch-all) do nothing.
+        """
+        if not self.open_plans.take(plan):
+            return
         finish = conductor_pb2.FinishRequest(
             reservation_id=plan.reservation_id, outcome=outcome, ttft_ms=ttft_s * 1000
         )

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from urllib.parse import urlsplit
 
+from quillcache_core.security.tls import Tls, role_of_cert
+
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -64,7 +66,13 @@ class UpstreamPool:
         total_timeout_s: float = 300.0,
         idle_timeout_s: float = 30.0,
         max_idle_per_host: int = 512,
+        tls: Tls | None = None,
+        engine_key: str = "",
     ) -> None:
+        """With `tls`, engines are reached only over https, must show an engine
+        certificate, and get `engine_key` as their bearer credential."""
+        self._ssl = tls.client_context() if tls else None
+        self._auth = f"Authorization: Bearer {engine_key}\r\n".encode() if engine_key else b""
         self.connect_timeout_s = connect_timeout_s
         self.total_timeout_s = total_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -89,6 +97,7 @@ class UpstreamPool:
                 b"\r\nContent-Type: application/json\r\nContent-Length: ",
                 str(len(body)).encode(),
                 b"\r\n",
+                self._auth,
                 headers,
                 b"\r\n",
             )
@@ -106,6 +115,9 @@ class UpstreamPool:
                 if conn.reused and not reply.head_started:
                     continue  # an idle connection the engine had closed: once more, new
                 raise
+            except BaseException:  # cancelled (its client left): the answer is not wanted
+                reply.close()
+                raise
             return reply
         raise UpstreamError("unreachable")  # pragma: no cover - the loop returns or raises
 
@@ -113,9 +125,10 @@ class UpstreamPool:
         found = self._targets.get(base_url)
         if found is None:
             parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise UpstreamError(f"engine URL {base_url!r} is not http://host[:port]")
-            port = parts.port or 80
+            scheme = "https" if self._ssl else "http"
+            if parts.scheme != scheme or not parts.hostname:
+                raise UpstreamError(f"engine URL {base_url!r} is not {scheme}://host[:port]")
+            port = parts.port or (443 if self._ssl else 80)
             found = (parts.hostname, port, parts.netloc.encode("idna"))
             if len(self._targets) >= 4096:
                 self._targets.clear()
@@ -132,8 +145,14 @@ class UpstreamPool:
                 return conn
             conn.close()
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=READ_LIMIT), self.connect_timeout_s
+            asyncio.open_connection(host, port, limit=READ_LIMIT, ssl=self._ssl),
+            self.connect_timeout_s,
         )
+        if self._ssl is not None:
+            role = role_of_cert(writer.get_extra_info("peercert"))
+            if role != "engine":
+                writer.close()
+                raise UpstreamError(f"{host}:{port} is not an engine (certificate of {role})")
         return _Conn(reader, writer)
 
     def _release(self, key: tuple[str, int], conn: _Conn) -> None:

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CostModel
 from quillcache_core.process.settings import opt
+from quillcache_core.security.tls import TlsSettings
 
 _COST = CostModel()
 
 
 @dataclass(frozen=True)
-class SimEngineConfig:
+class SimEngineConfig(TlsSettings):
     host: str = opt("127.0.0.1", "address to bind the HTTP and ZMQ sockets on")
     port: int = opt(0, "HTTP port: OpenAI API, /health, /metrics (0 = a free port)")
     advertise_host: str = opt(
@@ -57,6 +58,7 @@ class SimEngineConfig:
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         positive = {
             "--block-size": self.block_size,
             "--hbm-blocks": self.hbm_blocks,

@@ -56,10 +56,11 @@ class StoreLike(Protocol):
 StoreFactory = Callable[[str, float], StoreLike]
 
 
-def default_store_factory(address: str, timeout_s: float) -> StoreLike:
+def default_store_factory(address: str, timeout_s: float, tls=None) -> StoreLike:
+    """A StoreClient, over mutual TLS as the engine when `tls` is given."""
     from quillcache_store.client import StoreClient
 
-    return StoreClient(address, timeout_s=timeout_s)
+    return StoreClient(address, timeout_s=timeout_s, tls=tls)
 
 
 @dataclass(slots=True)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
+import hmac
 import logging
 import time
 from dataclasses import asdict
@@ -33,6 +35,9 @@ from quillcache_simengine.kvcache import PrefixCache
 from quillcache_simengine.offload import BlockMover, StoreFactory, default_store_factory
 from quillcache_simengine.openai_api import ApiError
 from quillcache_simengine.scheduler import Scheduler
+
+# Counters only, no request content: any cluster certificate may read them.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/sim/stats"})
 
 __all__ = ["SimEngineServer", "load_tokenizer"]
 
@@ -60,9 +65,14 @@ def _seed(config: SimEngineConfig) -> bytes | None:
 
 class SimEngineServer:
     def __init__(
-        self, config: SimEngineConfig, *, store_factory: StoreFactory = default_store_factory
+        self, config: SimEngineConfig, *, store_factory: StoreFactory | None = None
     ) -> None:
         self.config = config
+        self.tls = config.tls("engine")
+        # Only callers with the gateway's engine credential (and a cluster certificate).
+        self._auth = f"Bearer {self.tls.engine_key()}" if self.tls else ""
+        if store_factory is None:
+            store_factory = functools.partial(default_store_factory, tls=self.tls)
         self.tokenizer = load_tokenizer(config)
         self.tokenizer_id = config.tokenizer_id or self.tokenizer.name
         self.publisher = KvEventPublisher(
@@ -105,7 +115,7 @@ class SimEngineServer:
         self._register_metrics()
         self.routes = CompletionRoutes(config, self.engine, self.tokenizer, self._requests)
         self.registry: NodeRegistry | None = (
-            open_registry(config.registry) if config.registry else None
+            open_registry(config.registry, self.tls) if config.registry else None
         )
         self._registered = False
         self._register_task: asyncio.Task[None] | None = None
@@ -117,7 +127,8 @@ class SimEngineServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.config.public_host}:{self.port}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://{self.config.public_host}:{self.port}"
 
     def record(self) -> NodeRecord:
         events, replay = self.publisher.endpoints(self.config.public_host)
@@ -149,7 +160,7 @@ class SimEngineServer:
         self.publisher.start()
         self.mover.start()
         app = web.Application(
-            client_max_size=self.config.max_body_bytes, middlewares=[self._errors]
+            client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._authorize]
         )
         app.add_routes(
             [
@@ -165,7 +176,13 @@ class SimEngineServer:
         )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, shutdown_timeout=1.0)
+        site = web.TCPSite(
+            self._runner,
+            self.config.host,
+            self.config.port,
+            shutdown_timeout=1.0,
+            ssl_context=self.tls.server_context() if self.tls else None,
+        )
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - no accessor
         if self.registry is not None:
@@ -293,6 +310,19 @@ class SimEngineServer:
         }
 
     # --- plain routes -------------------------------------------------------------------
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        """With TLS, everything but OPEN_PATHS wants the engine credential."""
+        if (
+            self._auth
+            and request.path not in OPEN_PATHS
+            and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), self._auth.encode()
+            )
+        ):
+            raise ApiError(401, "this engine serves only the gateway: bad or no credential")
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:

@@ -38,6 +38,7 @@ from quillcache.v1 import store_pb2
 from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.rpc.server import error_from_status
+from quillcache_core.security.tls import Tls, grpc_channel
 from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
 from quillcache_store import wire
 from quillcache_store.blockcodec import payload_checksum
@@ -79,7 +80,10 @@ class StoreClient:
         retries: int = 3,
         backoff_s: float = 0.05,
         data_address: str = "",
+        tls: Tls | None = None,
     ) -> None:
+        """`tls`: the caller's certificates (mutual TLS on both the gRPC and the
+        block-data port); None only against an --insecure node."""
         if not address:
             raise InvalidArgument("store address is empty")
         if timeout_s <= 0:
@@ -93,6 +97,7 @@ class StoreClient:
         self.chunk_bytes = chunk_bytes
         self.retries = max(0, retries)
         self.backoff_s = backoff_s
+        self.tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
         # Puts through the node's block-data port (raw TCP) instead of gRPC, if given.
@@ -107,7 +112,7 @@ class StoreClient:
         if self._closed:
             raise NodeUnavailable(f"store client for {self.address} is closed")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = grpc_channel(self.address, self.tls, CHANNEL_OPTIONS)
             ch = self._channel
             self._put_rpc = ch.stream_unary(
                 f"/{SERVICE}/Put",
@@ -235,7 +240,7 @@ class StoreClient:
         if self._closed:
             raise NodeUnavailable(f"store client for {self.address} is closed")
         if self._pusher is None:
-            self._pusher = BlockPusher(io_timeout_s=self.timeout_s)
+            self._pusher = BlockPusher(io_timeout_s=self.timeout_s, tls=self.tls)
             # Its own threads: the loop's default executor is small (a few per core),
             # and a durable put holds its thread until the store's SSD commit.
             self._push_threads = ThreadPoolExecutor(

@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.process.settings import opt
+from quillcache_core.security.tls import TlsSettings
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
 
 @dataclass(frozen=True)
-class StoreConfig:
+class StoreConfig(TlsSettings):
     host: str = opt("127.0.0.1", "address to bind the gRPC and metrics ports on")
     port: int = opt(0, "gRPC port (0 = a free port, printed on the READY line)")
     metrics_port: int = opt(0, "HTTP port for /metrics and /health (0 = a free port)")
@@ -64,6 +65,7 @@ class StoreConfig:
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.data_dir:
             raise InvalidArgument("--data-dir is required (the SSD tier's directory)")
         if self.dram_capacity_bytes <= 0:

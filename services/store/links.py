@@ -24,6 +24,7 @@ from quillcache_core.errors import NodeUnavailable, NotFound
 from quillcache_core.model import KvBlockKey
 from quillcache_core.registry import NodeRecord, NodeRegistry
 from quillcache_core.rpc.server import error_from_status
+from quillcache_core.security.tls import Tls, grpc_channel
 from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_store import wire
 from quillcache_store.client import CHANNEL_OPTIONS, StoreClient, domain_error
@@ -35,8 +36,11 @@ log = logging.getLogger(__name__)
 class _Target:
     """A gRPC channel to a fixed address or to the first registry node of `kind`."""
 
-    def __init__(self, kind: str, address: str, registry: NodeRegistry | None) -> None:
+    def __init__(
+        self, kind: str, address: str, registry: NodeRegistry | None, tls: Tls | None
+    ) -> None:
         self.kind = kind
+        self.tls = tls
         self.fixed = address
         self.registry = registry
         self._address = ""
@@ -53,7 +57,7 @@ class _Target:
         if not address:
             raise NodeUnavailable(f"no {self.kind} address configured or registered")
         self._address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc_channel(address, self.tls, CHANNEL_OPTIONS)
         log.info("using %s at %s", self.kind, address)
         return self._channel
 
@@ -80,8 +84,10 @@ class _Target:
 class ConductorLink:
     """IngestKvEvents and Locate on the conductor."""
 
-    def __init__(self, address: str, registry: NodeRegistry | None, timeout_s: float) -> None:
-        self._target = _Target("conductor", address, registry)
+    def __init__(
+        self, address: str, registry: NodeRegistry | None, timeout_s: float, tls: Tls | None
+    ) -> None:
+        self._target = _Target("conductor", address, registry, tls)
         self.timeout_s = timeout_s
 
     async def _stub(self) -> conductor_pb2_grpc.ConductorStub:
@@ -135,10 +141,15 @@ class TransferLink:
     """Transfer.Copy of one block from a peer into this node."""
 
     def __init__(
-        self, node_id: str, address: str, registry: NodeRegistry | None, timeout_s: float
+        self,
+        node_id: str,
+        address: str,
+        registry: NodeRegistry | None,
+        timeout_s: float,
+        tls: Tls | None,
     ) -> None:
         self.node_id = node_id
-        self._target = _Target("transfer", address, registry)
+        self._target = _Target("transfer", address, registry, tls)
         self.timeout_s = timeout_s
 
     async def available(self) -> bool:
@@ -186,9 +197,10 @@ class PeerStores:
     """StoreClients to peer nodes, by address (resolved through the registry), and
     their block-data addresses."""
 
-    def __init__(self, registry: NodeRegistry | None, timeout_s: float) -> None:
+    def __init__(self, registry: NodeRegistry | None, timeout_s: float, tls: Tls | None) -> None:
         self.registry = registry
         self.timeout_s = timeout_s
+        self.tls = tls
         self._clients: dict[str, StoreClient] = {}
         self._data_addresses: dict[str, tuple[str, float]] = {}
 
@@ -224,7 +236,9 @@ class PeerStores:
         address = await self.address_of(peer)
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = StoreClient(address, timeout_s=self.timeout_s)
+            client = self._clients[address] = StoreClient(
+                address, timeout_s=self.timeout_s, tls=self.tls
+            )
         data, _tier = await client.get(key)
         return data
 

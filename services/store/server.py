@@ -18,6 +18,7 @@ from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.server import (
     add_health_and_reflection,
     error_from_status,
+    grpc_server,
     set_serving,
     start_metrics_app,
     start_server,
@@ -45,16 +46,17 @@ class StoreServer:
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
         self.metrics = MetricsRegistry()
-        self.registry = open_registry(config.registry)
+        self.tls = tls = config.tls("store")
+        self.registry = open_registry(config.registry, tls)
         # A memory registry knows only this process: discovery needs etcd.
         discovering = None if config.registry.strip().startswith("memory") else self.registry
-        self.conductor = ConductorLink(config.conductor, discovering, config.rpc_timeout_s)
+        self.conductor = ConductorLink(config.conductor, discovering, config.rpc_timeout_s, tls)
         self.transfer: TransferLink | None = None
         if config.transfer.lower() != "none":
             self.transfer = TransferLink(
-                config.node_id, config.transfer, discovering, config.rpc_timeout_s
+                config.node_id, config.transfer, discovering, config.rpc_timeout_s, tls
             )
-        self.peers = PeerStores(discovering, config.rpc_timeout_s)
+        self.peers = PeerStores(discovering, config.rpc_timeout_s, tls)
         self._discovering = discovering is not None
         self._reporting = bool(config.conductor) or discovering is not None
         self.executor = ThreadPoolExecutor(config.worker_threads, thread_name_prefix="store-io")
@@ -124,6 +126,10 @@ class StoreServer:
         code = getattr(grpc.StatusCode, outcome.code, grpc.StatusCode.UNAVAILABLE)
         raise error_from_status(code, f"data path from {peer.node_id}: {outcome.error}")
 
+    @property
+    def metrics_scheme(self) -> str:
+        return "https" if self.tls else "http"
+
     async def start(self) -> None:
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -131,7 +137,10 @@ class StoreServer:
         self.tiered = await loop.run_in_executor(self.executor, self._open_tiers)
         if cfg.data_port >= 0:
             self.puller = BlockPuller(
-                self.tiered, max_block_bytes=cfg.max_block_bytes, io_timeout_s=cfg.rpc_timeout_s
+                self.tiered,
+                max_block_bytes=cfg.max_block_bytes,
+                io_timeout_s=cfg.rpc_timeout_s,
+                tls=self.tls,
             )
             self.data_server = BlockDataServer(
                 self.tiered,
@@ -139,6 +148,7 @@ class StoreServer:
                 cfg.data_port,
                 io_timeout_s=cfg.rpc_timeout_s,
                 max_block_bytes=cfg.max_block_bytes,
+                tls=self.tls,
             )
             self.data_port = self.data_server.start()
         self.pooled = PooledStore(
@@ -166,12 +176,14 @@ class StoreServer:
             pull_streams=cfg.pull_streams,
         )
         self._register_metrics()
-        server = grpc.aio.server(
-            options=[
+        server = grpc_server(
+            self.tls,
+            self.metrics,
+            [
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         handlers = self.servicer.method_handlers()
         server.add_generic_rpc_handlers(
@@ -179,10 +191,10 @@ class StoreServer:
         )
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
         health = add_health_and_reflection(server, [SERVICE_NAME])
-        self.grpc_port = await start_server(server, cfg.host, cfg.port)
+        self.grpc_port = await start_server(server, cfg.host, cfg.port, self.tls)
         self.server = server
         self._runner, self.metrics_port = await start_metrics_app(
-            self.metrics, cfg.host, cfg.metrics_port
+            self.metrics, cfg.host, cfg.metrics_port, tls=self.tls
         )
         await self.registry.register(
             NodeRecord(
@@ -197,7 +209,7 @@ class StoreServer:
                 extra={
                     "dram_capacity_bytes": cfg.dram_capacity_bytes,
                     "ssd_capacity_bytes": cfg.ssd_capacity_bytes,
-                    "metrics_url": f"http://{cfg.advertised_host}:{self.metrics_port}",
+                    "metrics_url": f"{self.metrics_scheme}://{cfg.advertised_host}:{self.metrics_port}",
                 },
             ),
             cfg.lease_ttl_s,
@@ -270,7 +282,10 @@ class StoreServer:
 
     def ready_line(self) -> str:
         host = self.config.advertised_host
-        line = f"READY store grpc={host}:{self.grpc_port} metrics=http://{host}:{self.metrics_port}"
+        line = (
+            f"READY store grpc={host}:{self.grpc_port} "
+            f"metrics={self.metrics_scheme}://{host}:{self.metrics_port}"
+        )
         return f"{line} data={self.data_address}" if self.data_address else line
 
     def _register_metrics(self) -> None:
@@ -356,6 +371,11 @@ class StoreServer:
                 "store_data_put_bytes_total",
                 "bytes clients put through the block data port",
                 read=lambda: [((), data_server.stats()["bytes_received"])],
+            )
+            m.gauge(
+                "store_data_connections_refused_total",
+                "block-data connections refused (no certificate of an allowed role)",
+                read=lambda: [((), data_server.stats()["connections_refused"])],
             )
             m.gauge(
                 "store_data_puts_refused_total",

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.process.settings import opt
+from quillcache_core.security.tls import TlsSettings
 
 MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class TransferConfig:
+class TransferConfig(TlsSettings):
     host: str = opt("127.0.0.1", "address to bind the gRPC and metrics ports on")
     port: int = opt(0, "gRPC port (0 = a free port, printed on the READY line)")
     metrics_port: int = opt(0, "HTTP port for /metrics and /health (0 = a free port)")
@@ -46,6 +47,7 @@ class TransferConfig:
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.lease_ttl_s <= 0:
             raise InvalidArgument("--lease-ttl-s must be positive")
         if not 1 <= self.default_window <= self.max_window:

@@ -12,6 +12,7 @@ from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.server import (
     add_health_and_reflection,
+    grpc_server,
     set_serving,
     start_metrics_app,
     start_server,
@@ -31,9 +32,10 @@ class TransferServer:
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
         self.metrics = MetricsRegistry()
-        self.registry = open_registry(config.registry)
+        self.tls = config.tls("transfer")
+        self.registry = open_registry(config.registry, self.tls)
         self.stats = TransferStats()
-        self.servicer = TransferServicer(config, self.registry, self.stats)
+        self.servicer = TransferServicer(config, self.registry, self.stats, self.tls)
         self.server: grpc.aio.Server | None = None
         self.grpc_port = 0
         self.metrics_port = 0
@@ -83,19 +85,21 @@ class TransferServer:
         cfg = self.config
         # Chunks are fresh 1-2 MiB buffers: keep freed memory for reuse (~2x faster).
         tune_malloc_for_large_values()
-        server = grpc.aio.server(
-            options=[
+        server = grpc_server(
+            self.tls,
+            self.metrics,
+            [
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         transfer_pb2_grpc.add_TransferServicer_to_server(self.servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
-        self.grpc_port = await start_server(server, cfg.host, cfg.port)
+        self.grpc_port = await start_server(server, cfg.host, cfg.port, self.tls)
         self.server = server
         self._runner, self.metrics_port = await start_metrics_app(
-            self.metrics, cfg.host, cfg.metrics_port
+            self.metrics, cfg.host, cfg.metrics_port, tls=self.tls
         )
         await self.registry.register(
             NodeRecord(
@@ -114,7 +118,8 @@ class TransferServer:
     def ready_line(self) -> str:
         host = self.config.advertised_host
         return (
-            f"READY transfer grpc={host}:{self.grpc_port} metrics=http://{host}:{self.metrics_port}"
+            f"READY transfer grpc={host}:{self.grpc_port} "
+            f"metrics={'https' if self.tls else 'http'}://{host}:{self.metrics_port}"
         )
 
     async def stop(self) -> None:

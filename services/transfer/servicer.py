@@ -10,6 +10,7 @@ from quillcache_core.errors import InvalidArgument, NotFound
 from quillcache_core.model import CacheTier
 from quillcache_core.registry import NodeRegistry
 from quillcache_core.rpc.server import stream_errors
+from quillcache_core.security.tls import Tls
 from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_store import wire
 from quillcache_store.client import StoreClient
@@ -49,8 +50,15 @@ def progress_to_proto(p: Progress) -> transfer_pb2.TransferProgress:
 
 
 class TransferServicer(transfer_pb2_grpc.TransferServicer):
-    def __init__(self, config: TransferConfig, registry: NodeRegistry, stats: TransferStats):
+    def __init__(
+        self,
+        config: TransferConfig,
+        registry: NodeRegistry,
+        stats: TransferStats,
+        tls: Tls | None = None,
+    ):
         self.config = config
+        self.tls = tls
         self.registry = registry
         self.stats = stats
         self._clients: dict[str, StoreClient] = {}
@@ -74,6 +82,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
                 chunk_bytes=self.config.chunk_bytes,
                 retries=self.config.retries,
                 backoff_s=self.config.backoff_s,
+                tls=self.tls,
             )
             self._clients[record.address] = client
         return client, data_address

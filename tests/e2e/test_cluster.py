@@ -13,7 +13,6 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-import grpc
 import openai
 import pytest
 
@@ -21,6 +20,14 @@ from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
 from quillcache_core.launch.cluster import LocalCluster
+from tests.support.cluster import (
+    as_gateway,
+    conductor_channel,
+    https,
+    openai_client,
+    salt_of,
+    tenant_context,
+)
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -44,11 +51,7 @@ def cluster(tmp_path_factory):
 
 
 def client_for(endpoints, tenant="acme") -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=endpoints["gateway_url"] + "/v1",
-        api_key=endpoints["api_keys"][tenant],
-        max_retries=0,
-    )
+    return openai_client(endpoints, tenant, max_retries=0)
 
 
 def chat(client, user: str, *, system: str = SYSTEM, max_tokens: int = 8):
@@ -115,7 +118,9 @@ def test_bad_inputs_get_openai_shaped_4xx(cluster):
         if auth:
             request.add_header("Authorization", f"Bearer {auth}")
         try:
-            with urllib.request.urlopen(request, timeout=10) as reply:
+            with urllib.request.urlopen(
+                request, timeout=10, context=tenant_context(endpoints)
+            ) as reply:
                 return reply.status, json.loads(reply.read())
         except urllib.error.HTTPError as err:
             return err.code, json.loads(err.read())
@@ -189,7 +194,8 @@ def test_500_concurrent_streams_complete_without_errors(cluster):
     async def main():
         timeout = aiohttp.ClientTimeout(total=240)
         async with aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+            timeout=timeout,
+            connector=aiohttp.TCPConnector(limit=0, ssl=tenant_context(endpoints)),
         ) as session:
             results = await asyncio.gather(
                 *(one(session, n) for n in range(500)), return_exceptions=True
@@ -232,6 +238,7 @@ def test_small_hbm_offloads_to_the_store_and_a_later_request_fetches(tmp_path):
         doc = "The quarterly report says revenue grew in every region. " * 20
         first, _, text1 = chat(client, "Summarise.", system=doc)
         engine_url = endpoints["engines"][0]
+        gateway_ssl, engine_auth = as_gateway(lc.certs_dir)
         # Fill the engine's 48-block HBM with other work, straight at the engine.
         for n in range(3):
             body = json.dumps(
@@ -245,13 +252,15 @@ def test_small_hbm_offloads_to_the_store_and_a_later_request_fetches(tmp_path):
                 engine_url + "/v1/completions",
                 data=body,
                 method="POST",
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **engine_auth},
             )
-            with urllib.request.urlopen(request, timeout=30) as reply:
+            with urllib.request.urlopen(request, timeout=30, context=gateway_ssl) as reply:
                 assert reply.status == 200
 
         def offload_done():
-            with urllib.request.urlopen(engine_url + "/sim/stats", timeout=5) as reply:
+            with urllib.request.urlopen(
+                engine_url + "/sim/stats", timeout=5, context=https(endpoints)
+            ) as reply:
                 return json.loads(reply.read())["offload_pending"] == 0
 
         wait_until(offload_done, timeout_s=20, what="evicted blocks offloaded to the store")
@@ -280,13 +289,13 @@ def test_small_hbm_offloads_to_the_store_and_a_later_request_fetches(tmp_path):
             model_id=MODEL,
             tokenizer_id="builtin-v1",
             adapter_id=None,
-            tenant_id="acme",
-            cache_salt="acme",
+            tenant_id=salt_of(lc.certs_dir, "acme"),
+            cache_salt=salt_of(lc.certs_dir, "acme"),
         )
-        with grpc.insecure_channel(endpoints["conductor"]) as channel:
+        with conductor_channel(endpoints) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             identity = common_pb2.Identity(
-                model_id=MODEL, tokenizer_id="builtin-v1", tenant_id="acme"
+                model_id=MODEL, tokenizer_id="builtin-v1", tenant_id=keys[0].tenant_id
             )
 
             def on_store():
@@ -349,12 +358,16 @@ def test_quillcache_up_writes_endpoints_and_stops_cleanly_on_sigterm(tmp_path):
             "engines",
             "metrics",
             "api_keys",
+            "tls",
         }
+        assert set(endpoints["tls"]) == {"ca", "cert", "key"}
         assert len(endpoints["stores"]) == 2 and len(endpoints["engines"]) == 2
         assert set(endpoints["api_keys"]) == {"acme", "globex"}
         headers, _, text = chat(client_for(endpoints), "hello")
         assert text and headers["x-quillcache-engine"]
-        with urllib.request.urlopen(endpoints["metrics"]["gateway"], timeout=5) as reply:
+        with urllib.request.urlopen(
+            endpoints["metrics"]["gateway"], timeout=5, context=https(endpoints)
+        ) as reply:
             assert b"quillcache_gateway_goodput" in reply.read()
         pids = _cluster_pids(tmp_path / "data")
         assert pids, "child processes found"
@@ -389,8 +402,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as reply:
+def _metric(endpoints, url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=5, context=https(endpoints)) as reply:
         for line in reply.read().decode().splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
@@ -411,15 +424,15 @@ def test_ttft_budget_header_drives_the_goodput_metric(cluster):
         )
 
     timed, met = (
-        _metric(metrics, "quillcache_gateway_ttft_seconds_count"),
-        _metric(metrics, "quillcache_gateway_ttft_slo_met_total"),
+        _metric(endpoints, metrics, "quillcache_gateway_ttft_seconds_count"),
+        _metric(endpoints, metrics, "quillcache_gateway_ttft_slo_met_total"),
     )
     ask("1", 1)  # a 1 ms budget cannot be met by a 300-word prefill at real time scale
-    assert _metric(metrics, "quillcache_gateway_ttft_seconds_count") == timed + 1
-    assert _metric(metrics, "quillcache_gateway_ttft_slo_met_total") == met
+    assert _metric(endpoints, metrics, "quillcache_gateway_ttft_seconds_count") == timed + 1
+    assert _metric(endpoints, metrics, "quillcache_gateway_ttft_slo_met_total") == met
     ask("60000", 2)
-    assert _metric(metrics, "quillcache_gateway_ttft_slo_met_total") == met + 1
-    goodput = _metric(metrics, "quillcache_gateway_goodput")
+    assert _metric(endpoints, metrics, "quillcache_gateway_ttft_slo_met_total") == met + 1
+    goodput = _metric(endpoints, metrics, "quillcache_gateway_goodput")
     assert 0 < goodput < 1
     with pytest.raises(openai.BadRequestError):
         ask("soon", 3)
@@ -477,7 +490,9 @@ def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_and_frees_the_
                 "Authorization": f"Bearer {endpoints['api_keys']['acme']}",
             },
         )
-        with urllib.request.urlopen(request, timeout=60) as reply:
+        with urllib.request.urlopen(
+            request, timeout=60, context=tenant_context(endpoints)
+        ) as reply:
             first = reply.readline()
             assert first.startswith(b"data: {")
             engine.proc.send_signal(signal.SIGKILL)
@@ -485,7 +500,7 @@ def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error_and_frees_the_
         events = [line for line in rest.split(b"\n") if line.startswith(b"data: ")]
         assert events and b'"error"' in events[-1], rest[-300:]
         assert b"[DONE]" not in rest
-        with grpc.insecure_channel(endpoints["conductor"]) as channel:
+        with conductor_channel(endpoints) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             wait_until(
                 lambda: stub.Stats(conductor_pb2.StatsRequest(), timeout=5).reservations_open == 0,
@@ -517,19 +532,21 @@ def test_an_engine_registered_with_its_own_tokenizer_id_gets_hits_from_its_event
             {"role": "user", "content": "Which engine holds my prompt?"},
         ]
         full_blocks = len(BuiltinTokenizer().encode(render_chat(messages))) // 16
-        # Straight to the engine, as a client of a plain vLLM would: only its KV events
-        # tell the conductor, nothing passes through the gateway.
-        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "cache_salt": "acme"}
+        # Straight to the engine (with the gateway's credentials and acme's salt): only
+        # its KV events tell the conductor, nothing passes through the gateway.
+        salt = salt_of(lc.certs_dir, "acme")
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "cache_salt": salt}
+        gateway_ssl, engine_auth = as_gateway(lc.certs_dir)
         request = urllib.request.Request(
             endpoints["engines"][0] + "/v1/chat/completions",
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **engine_auth},
         )
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        with urllib.request.urlopen(request, timeout=30, context=gateway_ssl) as reply:
             assert reply.status == 200
 
         async def resident_blocks() -> int:
-            async with grpc.aio.insecure_channel(endpoints["conductor"]) as channel:
+            async with conductor_channel(endpoints, aio=True) as channel:
                 stats = await conductor_pb2_grpc.ConductorStub(channel).Stats(
                     conductor_pb2.StatsRequest(), timeout=5
                 )
@@ -562,24 +579,30 @@ def test_engines_with_32_and_16_token_blocks_in_one_fleet_both_get_their_hits(tm
     endpoints = lc.start()
     try:
         tokenizer = BuiltinTokenizer()
+        gateway_ssl, engine_auth = as_gateway(lc.certs_dir)
         for engine, (url, size) in enumerate(zip(endpoints["engines"], (32, 16), strict=True)):
             messages = [
                 {"role": "system", "content": f"Engine {engine} keeps {size}-token blocks. " * 9},
                 {"role": "user", "content": "Which blocks are mine?"},
             ]
             tokens = len(tokenizer.encode(render_chat(messages)))
-            body = {"model": MODEL, "messages": messages, "max_tokens": 2, "cache_salt": "acme"}
+            body = {
+                "model": MODEL,
+                "messages": messages,
+                "max_tokens": 2,
+                "cache_salt": salt_of(lc.certs_dir, "acme"),  # acme's, as the gateway sends
+            }
             request = urllib.request.Request(
                 url + "/v1/chat/completions",
                 data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
+                headers={"Content-Type": "application/json", **engine_auth},
             )
-            with urllib.request.urlopen(request, timeout=30) as reply:
+            with urllib.request.urlopen(request, timeout=30, context=gateway_ssl) as reply:
                 assert reply.status == 200
             expected = tokens // size * size // 16  # whole engine blocks, in 16-token blocks
 
             async def resident(engine_id: str = f"engine-{engine}") -> int:
-                async with grpc.aio.insecure_channel(endpoints["conductor"]) as channel:
+                async with conductor_channel(endpoints, aio=True) as channel:
                     stats = await conductor_pb2_grpc.ConductorStub(channel).Stats(
                         conductor_pb2.StatsRequest(), timeout=5
                     )

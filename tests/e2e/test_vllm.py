@@ -21,7 +21,6 @@ import os
 import time
 import urllib.request
 
-import grpc
 import openai
 import pytest
 
@@ -30,6 +29,7 @@ from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
 from quillcache_core.launch import vllm_env
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.vllm_engine import free_port
+from tests.support.cluster import as_gateway, conductor_channel, https, openai_client, salt_of
 from tests.support.services import wait_until
 from tests.support.zmq_relay import DroppingRelay
 
@@ -97,11 +97,7 @@ def fleet(env, tmp_path_factory):
 
 
 def client(endpoints, tenant: str = "acme") -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=endpoints["gateway_url"] + "/v1",
-        api_key=endpoints["api_keys"][tenant],
-        max_retries=0,
-    )
+    return openai_client(endpoints, tenant, max_retries=0)
 
 
 def ask(
@@ -134,17 +130,21 @@ def cached(response) -> int:
     return response.usage.prompt_tokens_details.cached_tokens or 0
 
 
-def post(url: str, body: dict | None = None) -> dict:
+def post(cluster: LocalCluster, url: str, body: dict | None = None) -> dict:
+    """POST straight to an engine, as the gateway does (its certificate and credential)."""
+    context, auth = as_gateway(cluster.certs_dir)
     request = urllib.request.Request(
-        url, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps(body or {}).encode(),
+        headers={"Content-Type": "application/json", **auth},
     )
-    with urllib.request.urlopen(request, timeout=60) as reply:
+    with urllib.request.urlopen(request, timeout=60, context=context) as reply:
         raw = reply.read()
     return json.loads(raw) if raw else {}
 
 
 def engine_stats(endpoints, engine_id: str):
-    with grpc.insecure_channel(endpoints["conductor"]) as channel:
+    with conductor_channel(endpoints) as channel:
         stats = conductor_pb2_grpc.ConductorStub(channel).Stats(
             conductor_pb2.StatsRequest(), timeout=5
         )
@@ -166,7 +166,9 @@ def settled(endpoints, engine_id: str, quiet_s: float = 0.6) -> int:
 
 
 def subscriber_metric(endpoints, engine_id: str, what: str) -> float:
-    with urllib.request.urlopen(endpoints["metrics"]["conductor"], timeout=5) as reply:
+    with urllib.request.urlopen(
+        endpoints["metrics"]["conductor"], timeout=5, context=https(endpoints)
+    ) as reply:
         for line in reply.read().decode().splitlines():
             if line.startswith("quillcache_kv_events_subscriber_total{") and (
                 f'engine="{engine_id}"' in line and f'what="{what}"' in line
@@ -225,24 +227,25 @@ PROMPT_CASES = [
 
 
 def test_our_tokens_are_vllms_for_completions_and_chat(fleet):
-    _, endpoints, _, env = fleet
+    cluster, endpoints, _, env = fleet
     ours = ModelTokenizer(env.model_dir)
     engine = endpoints["engines"][0]
     for case in PROMPT_CASES:
-        theirs = post(engine + "/tokenize", {"model": BIG, **case})["tokens"]
+        theirs = post(cluster, engine + "/tokenize", {"model": BIG, **case})["tokens"]
         assert request_tokens("completion", case, ours) == theirs, case
     for case in CHAT_CASES:
         body = {"model": BIG, "add_generation_prompt": True, **case}
-        theirs = post(engine + "/tokenize", body)["tokens"]
+        theirs = post(cluster, engine + "/tokenize", body)["tokens"]
         assert request_tokens("chat", case, ours) == theirs, case
 
 
 def test_the_gateway_routes_to_vllm_and_greedy_output_equals_a_direct_call(fleet):
-    _, endpoints, _, _ = fleet
+    cluster, endpoints, _, _ = fleet
     prompt = text(1, 120)
     headers, through = ask(endpoints, "completion", BIG, prompt)
     assert headers["x-quillcache-engine"] == "engine-0"
     direct = post(
+        cluster,
         endpoints["engines"][0] + "/v1/completions",
         {"model": BIG, "prompt": prompt, "max_tokens": 4, "temperature": 0},
     )
@@ -291,13 +294,16 @@ def test_after_a_flood_the_plan_never_claims_more_than_vllm_cached(fleet):
 
 
 def test_a_dropped_event_batch_is_recovered_by_replay(fleet):
-    _, endpoints, relay, _ = fleet
+    cluster, endpoints, relay, _ = fleet
     replayed = subscriber_metric(endpoints, "engine-0", "replayed")
     lost = subscriber_metric(endpoints, "engine-0", "lost")
     prompt = text(30, 150)
     relay.drop_next()
-    body = {"model": BIG, "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": "acme"}
-    post(endpoints["engines"][0] + "/v1/completions", body)  # its BlockStored batch is dropped
+    salt = salt_of(cluster.certs_dir, "acme")  # acme's, as the gateway would send it
+    body = {"model": BIG, "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": salt}
+    post(
+        cluster, endpoints["engines"][0] + "/v1/completions", body
+    )  # its BlockStored batch is dropped
     wait_until(lambda: relay.dropped == 1, timeout_s=10, what="the relay dropping a batch")
     # The next batch reveals the gap; the conductor replays the dropped one from vLLM.
     ask(endpoints, "completion", BIG, text(31, 60))
@@ -314,15 +320,17 @@ def test_a_dropped_event_batch_is_recovered_by_replay(fleet):
 
 
 def test_after_reset_prefix_cache_the_plan_claims_nothing(fleet):
-    _, endpoints, _, _ = fleet
+    cluster, endpoints, _, _ = fleet
     prompt = text(40, 150)
     ask(endpoints, "completion", BIG, prompt)
     assert settled(endpoints, "engine-0") > 0
-    post(endpoints["engines"][0] + "/reset_prefix_cache")
+    post(cluster, endpoints["engines"][0] + "/reset_prefix_cache")
     # vLLM queues AllBlocksCleared and publishes it at its next step: a request too short
     # to fill a block makes one (and stores nothing).
     post(
-        endpoints["engines"][0] + "/v1/completions", {"model": BIG, "prompt": "hi", "max_tokens": 1}
+        cluster,
+        endpoints["engines"][0] + "/v1/completions",
+        {"model": BIG, "prompt": "hi", "max_tokens": 1},
     )
     wait_until(
         lambda: engine_stats(endpoints, "engine-0").resident_blocks == 0,

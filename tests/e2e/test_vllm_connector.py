@@ -29,6 +29,7 @@ from tests.e2e.test_vllm import (
     settled,
     text,
 )
+from tests.support.cluster import https, salt_of
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -56,8 +57,8 @@ def pool_fleet(env, tmp_path_factory):  # noqa: F811 - the fixture of test_vllm
         cluster.stop()
 
 
-def metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as reply:
+def metric(endpoints, url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=5, context=https(endpoints)) as reply:
         for line in reply.read().decode().splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
@@ -65,17 +66,19 @@ def metric(url: str, name: str) -> float:
 
 
 def connector(endpoints, engine: str, what: str) -> float:
-    return metric(endpoints["metrics"][f"{engine}-connector"], f"quillcache_connector_{what}_total")
+    return metric(
+        endpoints, endpoints["metrics"][f"{engine}-connector"], f"quillcache_connector_{what}_total"
+    )
 
 
 def external_hits(endpoints, engine: str) -> float:
-    return metric(endpoints["metrics"][engine], "vllm:external_prefix_cache_hits_total")
+    return metric(endpoints, endpoints["metrics"][engine], "vllm:external_prefix_cache_hits_total")
 
 
-def reset_cache(endpoints, engine: str) -> None:
+def reset_cache(cluster, endpoints, engine: str) -> None:
     url = endpoints["engines"][int(engine.rsplit("-", 1)[1])]
-    post(url + "/reset_prefix_cache")
-    post(url + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    post(cluster, url + "/reset_prefix_cache")
+    post(cluster, url + "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
     wait_until(
         lambda: engine_stats(endpoints, engine).resident_blocks == 0,
         timeout_s=10,
@@ -90,14 +93,14 @@ def output(response, kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same(pool_fleet, kind):
-    _, endpoints = pool_fleet
+    cluster, endpoints = pool_fleet
     prompt = text(50 if kind == "chat" else 51, 300)
     before = saved_counts(endpoints)
     headers, first = ask(endpoints, kind, MODEL, prompt, max_tokens=16)
     engine = headers["x-quillcache-engine"]
     blocks = first.usage.prompt_tokens // 32  # whole vLLM blocks (its last token aside)
     saved(endpoints, engine, blocks, before)
-    reset_cache(endpoints, engine)
+    reset_cache(cluster, endpoints, engine)
     loaded = connector(endpoints, engine, "blocks_loaded")
     external = external_hits(endpoints, engine)
     headers, again = ask(endpoints, kind, MODEL, prompt, max_tokens=16)
@@ -128,9 +131,11 @@ def saved(endpoints, engine: str, blocks: int, before: dict[str, float]) -> None
     )
 
 
-def prompt_keys(env, content: str) -> list:  # noqa: F811 - the fixture's value
+def prompt_keys(cluster, env, content: str) -> list:  # noqa: F811 - the fixture's value
+    """acme's keys of a completion prompt (its salt needs the cluster's tenant secret)."""
     tokens = request_tokens("completion", {"prompt": content}, ModelTokenizer(env.model_dir))
-    return block_identity(MODEL, str(env.model_dir), cache_salt="acme").keys(tokens, 16)
+    salt = salt_of(cluster.certs_dir, "acme")
+    return block_identity(MODEL, str(env.model_dir), cache_salt=salt).keys(tokens, 16)
 
 
 def corrupt_first_on_ssd(ssd_dir, keys) -> int:
@@ -161,10 +166,14 @@ def test_a_block_corrupted_on_disk_is_recomputed_and_the_output_is_the_same(pool
     engine = headers["x-quillcache-engine"]
     saved(endpoints, engine, first.usage.prompt_tokens // 32, before)
     store = f"store-{int(engine.rsplit('-', 1)[1]) % 2}"
-    corrupted = corrupt_first_on_ssd(cluster.data_dir / store / "ssd", prompt_keys(env, prompt))
-    reset_cache(endpoints, engine)
+    corrupted = corrupt_first_on_ssd(
+        cluster.data_dir / store / "ssd", prompt_keys(cluster, env, prompt)
+    )
+    reset_cache(cluster, endpoints, engine)
     failed = connector(endpoints, engine, "blocks_load_failed")
-    corrupt = metric(endpoints["metrics"][store], "quillcache_store_corrupt_blocks_total")
+    corrupt = metric(
+        endpoints, endpoints["metrics"][store], "quillcache_store_corrupt_blocks_total"
+    )
     headers, again = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
     print(
         f"corrupt block {corrupted}: load failures "
@@ -173,7 +182,10 @@ def test_a_block_corrupted_on_disk_is_recomputed_and_the_output_is_the_same(pool
     )
     assert headers["x-quillcache-engine"] == engine
     assert connector(endpoints, engine, "blocks_load_failed") > failed
-    assert metric(endpoints["metrics"][store], "quillcache_store_corrupt_blocks_total") > corrupt
+    assert (
+        metric(endpoints, endpoints["metrics"][store], "quillcache_store_corrupt_blocks_total")
+        > corrupt
+    )
     assert again.choices[0].text == first.choices[0].text  # recomputed, not wrong
 
 

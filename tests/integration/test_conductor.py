@@ -18,6 +18,7 @@ from quillcache_core.launch.etcd_server import find_etcd_binary
 from tests.support.etcdctl import etcdctl
 from tests.support.etcdctl import put_engine as support_put_engine
 from tests.support.services import ServiceProcess, wait_until
+from tests.support.tls import certs_dir, grpcurl_args
 
 pytestmark = pytest.mark.integration
 
@@ -48,8 +49,7 @@ def conductor(etcd_server, tmp_path):
 
 
 def stub(proc: ServiceProcess):
-    channel = grpc.insecure_channel(proc.grpc_address)
-    return conductor_pb2_grpc.ConductorStub(channel)
+    return conductor_pb2_grpc.ConductorStub(proc.channel("gateway"))
 
 
 def identity(tenant: str = "acme") -> common_pb2.Identity:
@@ -135,7 +135,11 @@ def test_grpcurl_lists_describes_and_calls_plan(etcd_server, conductor):
 
     def run(*args: str) -> str:
         return subprocess.run(
-            [grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=20, check=True
+            [grpcurl, *grpcurl_args("gateway"), *args],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
         ).stdout
 
     assert "quillcache.v1.Conductor" in run(proc.grpc_address, "list").split()
@@ -364,10 +368,12 @@ def test_bad_requests_get_clear_status_codes_and_the_server_lives_on(etcd_server
     assert short.engine_id == "e1" and list(short.actions) == []
 
 
-def test_unknown_policy_or_missing_lmdb_path_refuses_to_start(tmp_path):
+def test_unknown_policy_missing_lmdb_path_or_no_tls_refuses_to_start(tmp_path):
+    tls_dir = ["--tls-dir", str(certs_dir())]
     for args, text in (
-        (["--policy", "fastest"], "invalid choice: 'fastest'"),
-        (["--index-backend", "lmdb"], "--index-path is required"),
+        (["--policy", "fastest", *tls_dir], "invalid choice: 'fastest'"),
+        (["--index-backend", "lmdb", *tls_dir], "--index-path is required"),
+        ([], "TLS is required: pass --tls-dir DIR"),  # secure by default
     ):
         done = subprocess.run(
             [sys.executable, "-m", "quillcache_core.launch.cli", "conductor", *args],

@@ -133,7 +133,12 @@ async def setup(n_engines: int = 2):
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     gateway = Gateway(
-        GatewayConfig(conductor=f"127.0.0.1:{port}", api_keys="acme=k-acme", finish_hold_ms=0)
+        GatewayConfig(
+            conductor=f"127.0.0.1:{port}",
+            api_keys="acme=k-acme",
+            finish_hold_ms=0,
+            insecure=True,  # in-process doubles of the conductor and engines speak plaintext
+        )
     )
     await gateway.start()
     session = aiohttp.ClientSession(headers={"Authorization": "Bearer k-acme"})

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+import ssl
 import struct
 
 import grpc
@@ -14,6 +16,7 @@ from quillcache_core.rpc.plan_port import PlanPortClient
 from quillcache_gateway.conductor_calls import ConductorCalls
 from tests.integration.test_plan_stream import BS, ident, packed_request, put_engine
 from tests.support.services import ServiceProcess, wait_until
+from tests.support.tls import client_context, tls
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +35,7 @@ def start_conductor(etcd_server, tmp_path):
         procs.append(proc)
         for engine in ("e1", "e2"):
             put_engine(etcd_server, engine)
-        stub = conductor_pb2_grpc.ConductorStub(grpc.insecure_channel(proc.grpc_address))
+        stub = conductor_pb2_grpc.ConductorStub(proc.channel("gateway"))
         wait_until(
             lambda: len(stub.Stats(conductor_pb2.StatsRequest(), timeout=5).engines) == 2,
             what="two engines",
@@ -45,7 +48,7 @@ def start_conductor(etcd_server, tmp_path):
 
 
 def stats(proc) -> conductor_pb2.StatsResponse:
-    stub = conductor_pb2_grpc.ConductorStub(grpc.insecure_channel(proc.grpc_address))
+    stub = conductor_pb2_grpc.ConductorStub(proc.channel("gateway"))
     return stub.Stats(conductor_pb2.StatsRequest(), timeout=5)
 
 
@@ -58,7 +61,7 @@ def test_plan_port_answers_like_the_stream_and_reports_errors_per_call(start_con
         return address
 
     async def go():
-        client = PlanPortClient(resolve)
+        client = PlanPortClient(resolve, tls("gateway"))
         replies = await asyncio.gather(
             *(
                 client.plan(packed_request(list(range(n, n + 4 * BS))), timeout=10)
@@ -106,7 +109,8 @@ def test_a_bad_frame_closes_only_its_connection_and_is_counted(start_conductor):
     proc = start_conductor()
     host, _, port = stats(proc).plan_address.rpartition(":")
     for frame in (struct.pack(">I", 7) + b"\xff" * 7, struct.pack(">I", 1 << 30)):
-        with socket.create_connection((host, int(port)), timeout=5) as sock:
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        with client_context("gateway").wrap_socket(raw) as sock:
             sock.sendall(frame)
             assert sock.recv(16) == b"", "the conductor closed this connection"
     wait_until(
@@ -115,7 +119,7 @@ def test_a_bad_frame_closes_only_its_connection_and_is_counted(start_conductor):
     )
 
     async def go():
-        client = PlanPortClient(lambda: _const(f"{host}:{port}"))
+        client = PlanPortClient(lambda: _const(f"{host}:{port}"), tls("gateway"))
         reply = await client.plan(packed_request(list(range(2 * BS))), timeout=5)
         await client.close()
         return reply
@@ -137,8 +141,8 @@ def test_gateway_calls_use_the_port_fall_back_without_it_and_fail_fast_when_dead
     async def go():
         out = {}
         for name, proc in (("port", with_port), ("none", without)):
-            async with grpc.aio.insecure_channel(proc.grpc_address) as channel:
-                calls = ConductorCalls(channel)
+            async with proc.channel("gateway", aio=True) as channel:
+                calls = ConductorCalls(channel, tls=tls("gateway"))
                 reply = await calls.plan(packed_request(list(range(3 * BS))), 5)
                 await calls.finish(
                     conductor_pb2.FinishRequest(
@@ -161,3 +165,41 @@ def test_gateway_calls_use_the_port_fall_back_without_it_and_fail_fast_when_dead
     assert out["port"] == ("plan port", 0)
     assert out["none"] == ("PlanStream", 1)
     assert out["dead"] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_plan_port_answers_only_a_gateway_certificate(start_conductor):
+    proc = start_conductor()
+    host, _, port = stats(proc).plan_address.rpartition(":")
+    frame = packed_frame()
+    # Plaintext: the TLS server never answers a frame.
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(frame)
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            assert not sock.recv(16).startswith(frame[:4])
+    # TLS without a client certificate: the handshake fails.
+    bare = ssl.create_default_context(cafile=str(tls("gateway").ca))
+    bare.check_hostname = False
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        with pytest.raises((ssl.SSLError, ConnectionError)):
+            with bare.wrap_socket(raw) as sock:
+                sock.sendall(frame)
+                assert sock.recv(16) == b""
+                raise ConnectionError("closed without an answer")
+    # A cluster certificate of another role: closed without an answer, and counted.
+    for role in ("store", "engine", "operator"):
+        raw = socket.create_connection((host, int(port)), timeout=5)
+        with client_context(role).wrap_socket(raw) as sock:
+            sock.sendall(frame)
+            assert sock.recv(16) == b"", f"a {role} got an answer"
+    wait_until(
+        lambda: proc.metric("quillcache_plan_port_refused_connections_total") == 3,
+        what="three refused connections",
+    )
+    assert proc.metric("quillcache_plan_port_frames_total") == 0
+
+
+def packed_frame() -> bytes:
+    message = conductor_pb2.PlanStreamRequest(
+        calls=[conductor_pb2.PlanCall(call_id=1, plan=packed_request(list(range(BS))))]
+    ).SerializeToString()
+    return struct.pack(">I", len(message)) + message

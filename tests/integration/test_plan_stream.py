@@ -32,7 +32,7 @@ def conductor(etcd_server, tmp_path):
     ).start()
     for engine in ("e1", "e2"):
         put_engine(etcd_server, engine)
-    client = conductor_pb2_grpc.ConductorStub(grpc.insecure_channel(proc.grpc_address))
+    client = conductor_pb2_grpc.ConductorStub(proc.channel("gateway"))
     wait_until(
         lambda: len(client.Stats(conductor_pb2.StatsRequest(), timeout=5).engines) == 2,
         what="two engines",
@@ -73,7 +73,7 @@ def test_packed_hashes_and_action_runs_plan_like_the_per_block_form(conductor):
     tokens = list(range(40 * BS))
 
     async def go():
-        async with grpc.aio.insecure_channel(conductor.grpc_address) as channel:
+        async with conductor.channel("gateway", aio=True) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             # The first 24 blocks become resident on e2.
             await stub.Observe(
@@ -128,7 +128,7 @@ def test_packed_hashes_and_action_runs_plan_like_the_per_block_form(conductor):
 
 def test_stream_errors_carry_the_unary_status_and_the_stream_survives(conductor):
     async def go():
-        async with grpc.aio.insecure_channel(conductor.grpc_address) as channel:
+        async with conductor.channel("gateway", aio=True) as channel:
             client = PlanClient(channel)
             failures = []
             for bad, code in (
@@ -166,7 +166,7 @@ def test_stream_errors_carry_the_unary_status_and_the_stream_survives(conductor)
 
 def test_many_concurrent_calls_share_one_stream_and_all_finish(conductor):
     async def go():
-        async with grpc.aio.insecure_channel(conductor.grpc_address) as channel:
+        async with conductor.channel("gateway", aio=True) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             client = PlanClient(channel)
             replies = await asyncio.gather(
@@ -209,7 +209,7 @@ def test_many_concurrent_calls_share_one_stream_and_all_finish(conductor):
 
 def test_a_dead_conductor_fails_calls_with_unavailable_instead_of_hanging(conductor):
     async def go():
-        async with grpc.aio.insecure_channel(conductor.grpc_address) as channel:
+        async with conductor.channel("gateway", aio=True) as channel:
             client = PlanClient(channel)
             await client.plan(packed_request(list(range(2 * BS))), timeout=5)
             conductor.kill()

@@ -1,4 +1,6 @@
-"""EtcdRegistry against a real etcd (the `etcd_server` fixture) and the real etcdctl."""
+"""EtcdRegistry against a real etcd (the `etcd_server` fixture: TLS + RBAC) and the
+real etcdctl. Each registry speaks as the role whose records it writes (engines
+register engines) or reads (a conductor watches the fleet)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,6 @@ import asyncio
 import gc
 import inspect
 import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 
 from quillcache_core.errors import NodeUnavailable
-from quillcache_core.launch.etcd_server import EtcdServer, find_etcd_binary, free_port
-from quillcache_core.registry import EtcdRegistry, NodeEvent, NodeRecord, node_key
+from quillcache_core.launch.etcd_server import EtcdServer, free_port
+from quillcache_core.registry import EtcdRegistry, NodeEvent, NodeRecord, node_key, open_registry
+from tests.support.etcdctl import etcdctl
 from tests.support.procs import ManagedProcess
+from tests.support.tls import certs_dir, tls
 
 pytestmark = pytest.mark.integration
 
@@ -39,20 +41,13 @@ def run(coro: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
     asyncio.run(bounded())
 
 
-def etcdctl(server: EtcdServer, *args: str, input: bytes | None = None) -> str:
-    out = subprocess.run(
-        [find_etcd_binary("etcdctl"), "--endpoints", server.endpoint, *args],
-        input=input,
-        capture_output=True,
-        env={**os.environ, "ETCDCTL_API": "3"},
-        timeout=10,
-        check=True,
-    )
-    return out.stdout.decode()
+def registry(server: EtcdServer, role: str = "engine", **kw: Any) -> EtcdRegistry:
+    """A registry client of `server` as `role` (TLS with that role's certificate)."""
+    return EtcdRegistry([server.endpoint], tls=tls(role), **kw)
 
 
-async def aetcdctl(server: EtcdServer, *args: str) -> str:
-    return await asyncio.to_thread(etcdctl, server, *args)
+async def aetcdctl(server: EtcdServer, *args: str, role: str = "root") -> str:
+    return await asyncio.to_thread(etcdctl, server, *args, role=role)
 
 
 async def has_key(server: EtcdServer, id_: str) -> bool:
@@ -116,10 +111,14 @@ def rec(id_: str, kind: str = "engine", **kw: Any) -> NodeRecord:
 
 def test_register_visible_to_list_get_and_etcdctl(etcd_server: EtcdServer) -> None:
     async def main() -> None:
-        async with EtcdRegistry([etcd_server.endpoint], timeout_s=3) as reg:
+        async with (
+            open_registry(etcd_server.client_url, tls("engine")) as reg,
+            open_registry(etcd_server.client_url, tls("store")) as store_reg,
+        ):
+            assert isinstance(reg, EtcdRegistry) and reg.tls == tls("engine")
             record = rec("e1", model="llama", capacity_bytes=1 << 30)
             await reg.register(record, ttl_s=5)
-            await reg.register(rec("s1", kind="store"), ttl_s=5)
+            await store_reg.register(rec("s1", kind="store"), ttl_s=5)
             assert await reg.list("engine") == [record]
             assert [r.id for r in await reg.list()] == ["e1", "s1"]
             assert await reg.get("engine", "e1") == record
@@ -143,7 +142,9 @@ def test_register_visible_to_list_get_and_etcdctl(etcd_server: EtcdServer) -> No
 
 def test_unreachable_etcd_fails_fast_with_node_unavailable() -> None:
     async def main() -> None:
-        async with EtcdRegistry([f"127.0.0.1:{free_port()}"], timeout_s=1) as reg:
+        async with EtcdRegistry(
+            [f"127.0.0.1:{free_port()}"], tls=tls("engine"), timeout_s=1
+        ) as reg:
             started = time.monotonic()
             with pytest.raises(NodeUnavailable):
                 await reg.register(rec("e1"), ttl_s=5)
@@ -158,12 +159,13 @@ def test_unreachable_etcd_fails_fast_with_node_unavailable() -> None:
 
 def test_operator_written_record_shows_in_list_and_watch(etcd_server: EtcdServer) -> None:
     async def main() -> None:
-        async with EtcdRegistry([etcd_server.endpoint]) as reg:
+        async with registry(etcd_server, "conductor") as reg:
             watcher = Watcher(reg, "engine")
             body = {"address": "10.0.0.9:50051", "locality_domain": "rack-b", "gpu": "L4"}
-            await aetcdctl(etcd_server, "put", node_key("engine", "e9"), json.dumps(body))
-            await aetcdctl(etcd_server, "put", node_key("engine", "bad"), "{not json")
-            await aetcdctl(etcd_server, "put", node_key("store", "s9"), "{}")  # other kind
+            put = [etcd_server, "put"]
+            await aetcdctl(*put, node_key("engine", "e9"), json.dumps(body), role="engine")
+            await aetcdctl(*put, node_key("engine", "bad"), "{not json", role="engine")
+            await aetcdctl(*put, node_key("store", "s9"), "{}", role="store")  # other kind
             await until(lambda: watcher.ids() == {"e9"}, what="join of e9")
             (join,) = watcher.events
             assert join.type == "join" and join.record.extra == {"gpu": "L4"}
@@ -171,7 +173,7 @@ def test_operator_written_record_shows_in_list_and_watch(etcd_server: EtcdServer
             assert [r.id for r in await reg.list("engine")] == ["e9"]  # "bad" is skipped
             assert await reg.get("engine", "e9") == join.record
 
-            await aetcdctl(etcd_server, "del", node_key("engine", "e9"))
+            await aetcdctl(etcd_server, "del", node_key("engine", "e9"), role="engine")
             await until(lambda: watcher.of("leave", "e9") != [], what="leave of e9")
             assert watcher.of("leave", "e9")[0].record == join.record
             await watcher.stop()
@@ -181,8 +183,8 @@ def test_operator_written_record_shows_in_list_and_watch(etcd_server: EtcdServer
 
 def test_lost_keepalive_expires_within_ttl(etcd_server: EtcdServer) -> None:
     async def main() -> None:
-        owner = EtcdRegistry([etcd_server.endpoint])
-        observer = EtcdRegistry([etcd_server.endpoint])
+        owner = registry(etcd_server)
+        observer = registry(etcd_server, "conductor")
         try:
             await owner.register(rec("e1"), ttl_s=1)
             await owner.register(rec("e2"), ttl_s=1)
@@ -208,10 +210,11 @@ def test_lost_keepalive_expires_within_ttl(etcd_server: EtcdServer) -> None:
 
 CHILD = """
 import asyncio, sys
-from quillcache_core.registry import EtcdRegistry, NodeRecord
+from quillcache_core.registry import NodeRecord, open_registry
+from quillcache_core.security.tls import Tls
 
 async def main():
-    reg = EtcdRegistry([sys.argv[1]])
+    reg = open_registry(sys.argv[1], Tls.from_dir(sys.argv[2], "engine"))
     await reg.register(NodeRecord("engine", "child", "127.0.0.1:1", "rack-a"), ttl_s=1)
     print("registered", flush=True)
     await asyncio.Event().wait()
@@ -222,11 +225,12 @@ asyncio.run(main())
 
 def test_sigkilled_owner_process_expires(etcd_server: EtcdServer, tmp_path: Any) -> None:
     child = ManagedProcess(
-        [sys.executable, "-c", CHILD, etcd_server.endpoint], log_path=tmp_path / "child.log"
+        [sys.executable, "-c", CHILD, etcd_server.client_url, str(certs_dir())],
+        log_path=tmp_path / "child.log",
     )
 
     async def main() -> None:
-        async with EtcdRegistry([etcd_server.endpoint]) as reg:
+        async with registry(etcd_server, "conductor") as reg:
             watcher = Watcher(reg)
             await child.wait_ready_async(lambda: watcher.ids() == {"child"}, timeout_s=15)
             child.signal(9)  # SIGKILL the whole group: no deregister, no revoke
@@ -240,7 +244,7 @@ def test_sigkilled_owner_process_expires(etcd_server: EtcdServer, tmp_path: Any)
 
 def test_deregister_removes_at_once(etcd_server: EtcdServer) -> None:
     async def main() -> None:
-        async with EtcdRegistry([etcd_server.endpoint]) as reg:
+        async with registry(etcd_server) as reg:
             watcher = Watcher(reg)
             await reg.register(rec("e1"), ttl_s=30)
             await until(lambda: watcher.ids() == {"e1"})
@@ -258,7 +262,7 @@ def test_deregister_removes_at_once(etcd_server: EtcdServer) -> None:
 
 def test_watch_snapshot_then_live_has_no_gaps_or_duplicates(etcd_server: EtcdServer) -> None:
     async def main() -> None:
-        async with EtcdRegistry([etcd_server.endpoint]) as reg:
+        async with registry(etcd_server) as reg:
             before = [f"a{i:02d}" for i in range(20)]
             during = [f"b{i:02d}" for i in range(20)]
             await asyncio.gather(*(reg.register(rec(i), ttl_s=10) for i in before))
@@ -289,8 +293,8 @@ def test_watch_snapshot_then_live_has_no_gaps_or_duplicates(etcd_server: EtcdSer
 
 def test_watch_and_registration_survive_etcd_restart(etcd_server: EtcdServer) -> None:
     async def main() -> None:
-        owner = EtcdRegistry([etcd_server.endpoint], timeout_s=2)
-        observer = EtcdRegistry([etcd_server.endpoint], timeout_s=2)
+        owner = registry(etcd_server, timeout_s=2)
+        observer = registry(etcd_server, "conductor", timeout_s=2)
         try:
             await owner.register(rec("e1"), ttl_s=1)
             watcher = Watcher(observer, "engine")
@@ -298,7 +302,7 @@ def test_watch_and_registration_survive_etcd_restart(etcd_server: EtcdServer) ->
 
             await asyncio.to_thread(etcd_server.restart)  # same ports, same data dir
 
-            late = EtcdRegistry([etcd_server.endpoint])
+            late = registry(etcd_server)
             try:
                 await late.register(rec("e2"), ttl_s=5)
                 await until(lambda: watcher.ids() == {"e1", "e2"}, timeout_s=8, what="join e2")
@@ -319,11 +323,11 @@ def test_watch_and_registration_survive_etcd_restart(etcd_server: EtcdServer) ->
 
 def test_registration_and_watch_recover_after_etcd_loses_its_data(etcd_server: EtcdServer) -> None:
     async def main() -> None:
-        owner = EtcdRegistry([etcd_server.endpoint], timeout_s=2)
-        observer = EtcdRegistry([etcd_server.endpoint], timeout_s=2)
+        owner = registry(etcd_server, timeout_s=2)
+        observer = registry(etcd_server, "conductor", timeout_s=2)
         try:
             await owner.register(rec("e1"), ttl_s=1)
-            await aetcdctl(etcd_server, "put", node_key("engine", "op"), "{}")  # no lease
+            await aetcdctl(etcd_server, "put", node_key("engine", "op"), "{}", role="engine")
             watcher = Watcher(observer, "engine")
             await until(lambda: watcher.ids() == {"e1", "op"})
 
@@ -345,5 +349,24 @@ def test_registration_and_watch_recover_after_etcd_loses_its_data(etcd_server: E
         finally:
             await owner.close()
             await observer.close()
+
+    run(main())
+
+
+def test_plaintext_etcd_without_tls_still_works(plain_etcd_server: EtcdServer) -> None:
+    """`--insecure` setups: an etcd without TLS or auth, reached over http://."""
+    assert plain_etcd_server.client_url.startswith("http://")
+
+    async def main() -> None:
+        async with (
+            open_registry(plain_etcd_server.client_url) as reg,
+            open_registry(f"etcd://{plain_etcd_server.endpoint}") as observer,
+        ):
+            watcher = Watcher(observer)
+            await reg.register(rec("e1"), ttl_s=5)
+            await reg.register(rec("s1", kind="store"), ttl_s=5)  # no roles here
+            await until(lambda: watcher.ids() == {"e1", "s1"}, what="joins")
+            assert (await aetcdctl(plain_etcd_server, "get", node_key("engine", "e1"))) != ""
+            await watcher.stop()
 
     run(main())

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx2
 import openai
 import pytest
 import zmq
@@ -34,6 +35,7 @@ from quillcache_core.registry import EtcdRegistry
 from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_simengine.kvbytes import kv_payload
 from tests.support.services import ServiceProcess, wait_until
+from tests.support.tls import client_context, engine_auth, gateway_session, tls
 
 pytestmark = pytest.mark.integration
 
@@ -54,11 +56,16 @@ class SimEngineProcess(ServiceProcess):
         return self.fields["http"]
 
     def _serving(self) -> bool:
-        with urllib.request.urlopen(self.http + "/health", timeout=1.0) as reply:
+        with urllib.request.urlopen(
+            self.http + "/health", timeout=1.0, context=client_context("gateway")
+        ) as reply:
             return reply.status == 200
 
     def stats(self) -> dict:
-        with urllib.request.urlopen(self.http + "/sim/stats", timeout=2.0) as reply:
+        request = urllib.request.Request(self.http + "/sim/stats", headers=engine_auth())
+        with urllib.request.urlopen(
+            request, timeout=2.0, context=client_context("gateway")
+        ) as reply:
             return json.loads(reply.read())
 
 
@@ -120,7 +127,12 @@ def engine_factory(tmp_path: Path):
 
 def test_openai_sdk_streams_and_a_repeated_prompt_hits_with_a_lower_ttft(engine_factory):
     engine = engine_factory("--time-scale", "1.0", "--node-id", "sim-a")
-    client = openai.OpenAI(base_url=engine.http + "/v1", api_key="x", max_retries=0)
+    client = openai.OpenAI(
+        base_url=engine.http + "/v1",
+        api_key=tls("gateway").engine_key(),
+        max_retries=0,
+        http_client=httpx2.Client(verify=client_context("gateway")),
+    )
     system = "You are a careful assistant. " + words(1, 1500)  # ~3000 tokens: ~135 ms prefill
 
     def stream(question: str):
@@ -182,7 +194,7 @@ def test_prefills_queue_so_load_raises_ttft(engine_factory):
     prefill_s = 2000 * 45e-6  # one prompt's prefill at the cost model's 45 us/token
 
     async def scenario() -> list[float]:
-        async with aiohttp.ClientSession() as session:
+        async with gateway_session() as session:
 
             async def ttft(seed: int) -> float:
                 body = {"model": MODEL, "prompt": list(range(seed, seed + 2000)), "max_tokens": 2,
@@ -273,7 +285,7 @@ def test_kv_events_decode_in_both_encodings_with_the_salt_as_tenant(engine_facto
     async def scenario() -> None:
         harness.sub.start()
         try:
-            async with aiohttp.ClientSession() as session:
+            async with gateway_session() as session:
                 # ZMQ's slow joiner may lose the first batches: ping until the
                 # subscription is live, then start from an empty cache.
                 ping = 0
@@ -353,7 +365,7 @@ def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
         keys_a = gateway_keys(a, None)
 
         async def scenario() -> None:
-            async with aiohttp.ClientSession() as session:
+            async with gateway_session() as session:
 
                 async def complete(prompt, plan=None, expect=200):
                     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
@@ -366,7 +378,7 @@ def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
                 _h, first = await complete(a)
                 await complete(b)
                 await complete(c)  # 8 HBM blocks: all of a's 6 are evicted by now
-                client = StoreClient(address, timeout_s=5.0)
+                client = StoreClient(address, timeout_s=5.0, tls=tls("engine"))
                 try:
                     await until(lambda: engine.stats()["store"]["offloaded"] >= 6, "offloads", 15.0)
                     assert all(await client.exists(keys_a))
@@ -418,7 +430,7 @@ def test_registers_in_etcd_and_leaves_on_sigterm(etcd_server, tmp_path: Path):
     )  # fmt: skip
 
     async def record():
-        registry = EtcdRegistry([etcd_server.endpoint])
+        registry = EtcdRegistry([etcd_server.endpoint], tls=tls("operator"))
         try:
             return await registry.get("engine", "sim-r")
         finally:
@@ -444,7 +456,7 @@ def test_fault_flags_bad_input_and_concurrent_streams(engine_factory):
     url = engine.http
 
     async def scenario() -> None:
-        async with aiohttp.ClientSession() as session:
+        async with gateway_session() as session:
             body = {"model": MODEL, "prompt": words(3, 30), "max_tokens": 10, "stream": True}
             # Aborted after 3 tokens: no [DONE], the transfer breaks.
             seen = b""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 
 import pytest
 
@@ -17,7 +18,9 @@ from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.client import StoreClient
 from quillcache_store.datapath import protocol as dataproto
 from quillcache_store.datapath.server import recv_exactly
+from tests.support.services import wait_until
 from tests.support.stores import MIB, SHAPES, Fleet, block_key, kv_payload, run
+from tests.support.tls import client_context, tls
 
 pytestmark = pytest.mark.integration
 
@@ -41,12 +44,20 @@ def lone_store(tmp_path):
 
 def _data_address(proc) -> str:
     async def ask():
-        async with StoreClient(proc.grpc_address) as client:
+        async with StoreClient(proc.grpc_address, tls=tls("engine")) as client:
             return (await client.stats())["data_address"]
 
     address = run(ask())
     assert address == proc.fields["data"]
     return address
+
+
+def closed(sock) -> bool:
+    """Whether the peer closed the (TLS) connection: end of stream or a reset."""
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionError, ssl.SSLError):
+        return True
 
 
 def _ack(sock: socket.socket) -> tuple[dataproto.BlockHeader, str]:
@@ -65,8 +76,8 @@ def test_data_port_puts_land_byte_identical_in_the_tier_asked_for(lone_store):
 
     async def scenario():
         async with (
-            StoreClient(lone_store.grpc_address, data_address=data) as pusher,
-            StoreClient(lone_store.grpc_address) as reader,
+            StoreClient(lone_store.grpc_address, data_address=data, tls=tls("engine")) as pusher,
+            StoreClient(lone_store.grpc_address, tls=tls("engine")) as reader,
         ):
             landed = [
                 await pusher.put(keys[0], payloads[0]),
@@ -101,7 +112,9 @@ def test_acknowledged_data_port_durable_puts_survive_sigkill(lone_store):
     payloads = [kv_payload(300 + i, SHAPES["0.5MiB"]) for i in range(12)]
 
     async def write():
-        async with StoreClient(lone_store.grpc_address, data_address=data) as client:
+        async with StoreClient(
+            lone_store.grpc_address, data_address=data, tls=tls("engine")
+        ) as client:
             await asyncio.gather(
                 *(client.put(k, p, durable=True) for k, p in zip(keys, payloads, strict=True))
             )
@@ -111,7 +124,7 @@ def test_acknowledged_data_port_durable_puts_survive_sigkill(lone_store):
     lone_store.start()
 
     async def read():
-        async with StoreClient(lone_store.grpc_address) as client:
+        async with StoreClient(lone_store.grpc_address, tls=tls("engine")) as client:
             return [(await client.get(k))[0] for k in keys]
 
     assert run(read()) == payloads
@@ -121,7 +134,8 @@ def test_bad_bytes_are_refused_and_a_malformed_put_closes_the_connection(lone_st
     host, _, port = _data_address(lone_store).rpartition(":")
     good, bad = kv_payload(41, SHAPES["0.5MiB"]), kv_payload(42, SHAPES["0.5MiB"])
     k_bad, k_good = block_key(1, chain="raw"), block_key(2, chain="raw")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    with client_context("engine").wrap_socket(raw) as sock:
         # Bytes that do not match the checksum sent: DATA_LOSS, nothing stored...
         wrong = payload_checksum(bad) ^ 1
         sock.sendall(
@@ -151,10 +165,10 @@ def test_bad_bytes_are_refused_and_a_malformed_put_closes_the_connection(lone_st
         sock.sendall(bytes(header))
         ack, message = _ack(sock)
         assert ack.status == dataproto.STATUS_INVALID_ARGUMENT and "tier" in message
-        assert sock.recv(1) == b""
+        assert closed(sock)
 
     async def read():
-        async with StoreClient(lone_store.grpc_address) as client:
+        async with StoreClient(lone_store.grpc_address, tls=tls("engine")) as client:
             with pytest.raises(NotFound):
                 await client.get(k_bad)
             return (await client.get(k_good))[0]
@@ -173,7 +187,7 @@ def test_a_changed_payload_is_refused_through_the_client(lone_store):
     payload = bytearray(kv_payload(7, SHAPES["0.5MiB"]))
     checksum = payload_checksum(payload)
     payload[100] ^= 0xFF
-    pusher = BlockPusher(io_timeout_s=10)
+    pusher = BlockPusher(io_timeout_s=10, tls=tls("engine"))
     try:
         with pytest.raises(Corrupt):
             pusher.put(data, block_key(7, chain="chg"), payload, checksum=checksum)
@@ -187,10 +201,43 @@ def test_the_store_registers_its_data_port_as_a_record_field(fleet):
     store = fleet.store("store-r")
 
     async def record():
-        async with EtcdRegistry([fleet.etcd.endpoint], timeout_s=3) as registry:
+        async with EtcdRegistry(
+            [fleet.etcd.endpoint], timeout_s=3, tls=tls("operator")
+        ) as registry:
             return await registry.get("store", "store-r")
 
     rec = run(record())
     assert rec is not None
     assert rec.data_address == store.fields["data"]
     assert "data_address" not in rec.extra
+
+
+def test_the_data_port_serves_only_stores_transfer_and_engines(lone_store):
+    """Plaintext, TLS without a client certificate, and a certificate of a role that
+    moves no blocks (gateway, operator) get nothing, and each is counted."""
+    host, _, port = _data_address(lone_store).rpartition(":")
+    put = (
+        dataproto.encode_put(
+            block_key(9, chain="who"), 4, 0, tier=CacheTier.CPU_DRAM, durable=False
+        )
+        + b"abcd"
+    )
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(put)
+        assert closed(sock), "a plaintext client got an answer"
+    bare = ssl.create_default_context(cafile=str(tls("engine").ca))
+    bare.check_hostname = False
+    for role in (None, "gateway", "operator"):
+        raw = socket.create_connection((host, int(port)), timeout=10)
+        context = bare if role is None else client_context(role)
+        try:
+            with context.wrap_socket(raw) as sock:
+                sock.sendall(put)
+                assert closed(sock), f"{role} got an answer"
+        except (ssl.SSLError, ConnectionError):
+            pass  # refused in the handshake
+    wait_until(
+        lambda: lone_store.metric("quillcache_store_data_connections_refused_total") == 4,
+        what="four refused connections",
+    )
+    assert lone_store.metric("quillcache_store_data_put_blocks_total") == 0

@@ -36,6 +36,7 @@ from tests.support.stores import (
     locate,
     run,
 )
+from tests.support.tls import channel, client_context, grpcurl_args, tls
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +52,7 @@ def lone_store(tmp_path):
 
 
 async def _client_call(address: str, fn):
-    async with StoreClient(address) as client:
+    async with StoreClient(address, tls=tls("engine")) as client:
         return await fn(client)
 
 
@@ -98,10 +99,8 @@ def test_put_get_is_byte_identical_in_dram_and_on_ssd(lone_store):
 
 def _raw_put(address: str, chunks: list[bytes], timeout: float = 10.0):
     """Send pre-framed PutChunks; returns (status code, details)."""
-    with grpc.insecure_channel(
-        address, options=[("grpc.max_send_message_length", 64 * MIB)]
-    ) as channel:
-        put = channel.stream_unary(
+    with channel(address, "engine", options=[("grpc.max_send_message_length", 64 * MIB)]) as chan:
+        put = chan.stream_unary(
             "/quillcache.v1.Store/Put",
             request_serializer=None,
             response_deserializer=store_pb2.PutResponse.FromString,
@@ -177,12 +176,12 @@ def test_bad_puts_get_clear_errors_and_store_nothing(lone_store):
             await client.get(no_block)
         return await client.stats()
 
-    client_chunks = StoreClient(addr, chunk_bytes=8 * MIB)
+    client_chunks = StoreClient(addr, chunk_bytes=8 * MIB, tls=tls("engine"))
 
     async def oversize_via_client():
         # chunk_bytes is bounded by the client itself.
         with pytest.raises(InvalidArgument):
-            StoreClient(addr, chunk_bytes=9 * MIB)
+            StoreClient(addr, chunk_bytes=9 * MIB, tls=tls("engine"))
         with pytest.raises(CapacityExceeded):
             await client_chunks.put(block_key(6), b"y" * (65 * MIB), tier=CacheTier.LOCAL_SSD)
         await client_chunks.close()
@@ -231,14 +230,14 @@ def test_grpcurl_lists_the_store_and_calls_it(lone_store):
     grpcurl = os.path.join(os.path.dirname(sys.executable), "grpcurl")
     addr = lone_store.grpc_address
     listed = subprocess.run(
-        [grpcurl, "-plaintext", addr, "list"], capture_output=True, text=True, timeout=20
+        [grpcurl, *grpcurl_args("engine"), addr, "list"], capture_output=True, text=True, timeout=20
     )
     assert "quillcache.v1.Store" in listed.stdout.split(), listed.stderr
     key = block_key(42)
     data = kv_payload(42, SHAPES["0.5MiB"])
     call(lone_store, lambda c: c.put(key, data))
     out = subprocess.run(
-        [grpcurl, "-plaintext", "-d", "{}", addr, "quillcache.v1.Store/Stats"],
+        [grpcurl, *grpcurl_args("engine"), "-d", "{}", addr, "quillcache.v1.Store/Stats"],
         capture_output=True,
         text=True,
         timeout=20,
@@ -251,7 +250,7 @@ def test_grpcurl_lists_the_store_and_calls_it(lone_store):
     out = subprocess.run(
         [
             grpcurl,
-            "-plaintext",
+            *grpcurl_args("engine"),
             "-max-msg-sz",
             str(64 * MIB),
             "-d",
@@ -359,7 +358,9 @@ def test_a_block_corrupted_on_disk_is_never_served_and_reported_removed(fleet, t
     assert present == [None]
     assert s["corrupt_blocks"] == 1 and s["ssd_blocks"] == 0 and s["hits"] == 0, s
     wait_until(lambda: locate(conductor, key) == [], timeout_s=10, what="removal indexed")
-    with urllib.request.urlopen(store.metrics_url + "/metrics", timeout=5) as reply:
+    with urllib.request.urlopen(
+        store.metrics_url + "/metrics", timeout=5, context=client_context()
+    ) as reply:
         assert "quillcache_store_corrupt_blocks_total 1" in reply.read().decode()
 
 
@@ -368,7 +369,7 @@ def _put_engine(etcd, engine_id: str) -> None:
 
 
 def _fetch_sources(conductor, keys) -> set[str]:
-    with grpc.insecure_channel(conductor.grpc_address) as channel:
+    with conductor.channel("gateway") as channel:
         reply = conductor_pb2_grpc.ConductorStub(channel).Plan(
             conductor_pb2.PlanRequest(
                 request_id="t",
@@ -437,7 +438,9 @@ def test_acknowledged_durable_puts_survive_sigkill(lone_store):
         async def writer(start: int, target: int) -> int:
             counter = iter(range(start, start + 10_000))
             killed = False
-            async with StoreClient(lone_store.grpc_address, timeout_s=5) as client:
+            async with StoreClient(
+                lone_store.grpc_address, timeout_s=5, tls=tls("engine")
+            ) as client:
 
                 async def worker():
                     nonlocal killed

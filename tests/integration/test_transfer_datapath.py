@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 import threading
 
-import grpc
 import pytest
 
 from quillcache.v1 import store_pb2, store_pb2_grpc, transfer_pb2, transfer_pb2_grpc
@@ -19,12 +18,13 @@ from quillcache_store.client import StoreClient
 from quillcache_store.datapath import protocol as dataproto
 from quillcache_store.datapath.server import recv_exactly
 from tests.support.stores import SHAPES, block_key, kv_payload, run
+from tests.support.tls import tls
 
 pytestmark = pytest.mark.integration
 
 
 async def _pull(address: str, source: str, keys):
-    async with StoreClient(address) as client:
+    async with StoreClient(address, tls=tls("transfer")) as client:  # only transfer pulls
         return sorted(
             [r async for batch in client.open_pull("fake-source", source, keys) for r in batch],
             key=lambda r: r.index,
@@ -32,7 +32,7 @@ async def _pull(address: str, source: str, keys):
 
 
 async def _read_back(address: str, keys):
-    async with StoreClient(address) as client:
+    async with StoreClient(address, tls=tls("engine")) as client:
         tiers = await client.exists(keys)
         data = {
             k.block_hash: (await client.get(k))[0] for k, t in zip(keys, tiers, strict=True) if t
@@ -49,12 +49,12 @@ def test_copy_moves_real_bytes_store_to_store_and_verifies_them(fleet):
     payloads = [kv_payload(500 + i, SHAPES["4MiB" if i % 3 else "0.5MiB"]) for i in range(20)]
 
     async def put_all():
-        async with StoreClient(a.grpc_address) as client:
+        async with StoreClient(a.grpc_address, tls=tls("engine")) as client:
             for key, payload in zip(keys, payloads, strict=True):
                 await client.put(key, payload)
 
     run(put_all())
-    with grpc.insecure_channel(xfer.grpc_address) as channel:
+    with xfer.channel("operator") as channel:
         request = transfer_pb2.TransferRequest(
             source_node="store-a",
             destination_node="store-b",
@@ -83,16 +83,16 @@ def test_pull_batches_results_when_asked_and_old_clients_get_one_per_message(fle
     payloads = [kv_payload(900 + i, SHAPES["0.5MiB"]) for i in range(24)]
 
     async def put_all():
-        async with StoreClient(a.grpc_address) as client:
+        async with StoreClient(a.grpc_address, tls=tls("engine")) as client:
             for key, payload in zip(keys[:24], payloads, strict=True):
                 await client.put(key, payload)
 
     async def delete_at_b():
-        async with StoreClient(b.grpc_address) as client:
+        async with StoreClient(b.grpc_address, tls=tls("engine")) as client:
             await client.delete(keys)
 
     run(put_all())
-    with grpc.insecure_channel(b.grpc_address) as channel:
+    with b.channel("transfer") as channel:
         pull = store_pb2_grpc.StoreStub(channel).Pull
         shapes = {}
         for asked in (5, 0):
@@ -126,7 +126,8 @@ def test_pull_batches_results_when_asked_and_old_clients_get_one_per_message(fle
 
 
 class FakeSource:
-    """A data port answering one request by a script of per-block misbehaviour."""
+    """A data port answering one request by a script of per-block misbehaviour (over
+    TLS, as a store: the puller accepts no other)."""
 
     def __init__(self, script) -> None:
         self.script = script
@@ -136,8 +137,8 @@ class FakeSource:
         self.thread.start()
 
     def _serve(self) -> None:
-        conn, _ = self.server.accept()
-        with conn:
+        raw, _ = self.server.accept()
+        with tls("store").server_context().wrap_socket(raw, server_side=True) as conn:
             head = memoryview(bytearray(dataproto.REQUEST_HEADER.size))
             recv_exactly(conn, head)
             body = memoryview(bytearray(dataproto.decode_request_header(head)))
@@ -181,7 +182,7 @@ def test_a_pull_stores_only_whole_verified_blocks(fleet):
     older = kv_payload(799)
 
     async def put_older():
-        async with StoreClient(b.grpc_address) as client:
+        async with StoreClient(b.grpc_address, tls=tls("engine")) as client:
             await client.put(keys[3], older)
 
     run(put_older())

@@ -19,12 +19,13 @@ from quillcache_store import wire
 from quillcache_store.client import StoreClient
 from tests.support.services import wait_until
 from tests.support.stores import SHAPES, block_key, kv_payload, locate, run
+from tests.support.tls import client_context, tls
 
 pytestmark = pytest.mark.integration
 
 
 async def _with(address: str, fn):
-    async with StoreClient(address) as client:
+    async with StoreClient(address, tls=tls("engine")) as client:
         return await fn(client)
 
 
@@ -42,7 +43,7 @@ def put_all(proc, keys, payloads) -> None:
 
 def transfer(proc, method: str, keys, src="store-a", dst="store-b", **kw):
     """All progress messages of one Copy/Move/Prefetch call."""
-    with grpc.insecure_channel(proc.grpc_address) as channel:
+    with proc.channel("operator") as channel:
         stub = transfer_pb2_grpc.TransferStub(channel)
         request = transfer_pb2.TransferRequest(
             source_node=src,
@@ -54,7 +55,9 @@ def transfer(proc, method: str, keys, src="store-a", dst="store-b", **kw):
 
 
 def metrics(proc) -> str:
-    with urllib.request.urlopen(proc.metrics_url + "/metrics", timeout=5) as reply:
+    with urllib.request.urlopen(
+        proc.metrics_url + "/metrics", timeout=5, context=client_context()
+    ) as reply:
         return reply.read().decode()
 
 
@@ -184,7 +187,7 @@ def test_a_source_killed_mid_transfer_leaves_nothing_half_written(fleet, path):
     put_all(a, keys, payloads)
 
     messages = []
-    with grpc.insecure_channel(xfer.grpc_address) as channel:
+    with xfer.channel("operator") as channel:
         request = transfer_pb2.TransferRequest(
             source_node="store-a",
             destination_node="store-b",
@@ -257,7 +260,7 @@ def test_unknown_nodes_and_bad_requests_get_clear_errors(fleet):
             "required",
         ),
     ]
-    with grpc.insecure_channel(xfer.grpc_address) as channel:
+    with xfer.channel("operator") as channel:
         stub = transfer_pb2_grpc.TransferStub(channel)
         for method in ("Copy", "Move", "Prefetch"):
             for fields, code, text in cases:

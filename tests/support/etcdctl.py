@@ -1,4 +1,9 @@
-"""Write registry records the way an operator would: the real etcdctl binary."""
+"""Write registry records the way an operator would: the real etcdctl binary.
+
+Against a TLS etcd (the `etcd_server` fixture) etcdctl shows a certificate of the
+session's CA; etcd takes its common name as the user, so `role` decides what the call
+may do: `root` (the default) anything, `engine` write engine records, `operator` read.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +14,45 @@ import subprocess
 from quillcache_core.launch.etcd_server import find_etcd_binary
 
 
-def etcdctl(etcd, *args: str) -> str:
+def etcdctl_argv(etcd, *args: str, role: str = "root") -> list[str]:
+    """The etcdctl command line for `etcd` as `role` (no TLS flags for a plaintext etcd)."""
+    return [
+        find_etcd_binary("etcdctl"),
+        "--endpoints",
+        etcd.client_url,
+        *etcd.etcdctl_args(role),
+        *args,
+    ]
+
+
+def etcdctl(
+    etcd, *args: str, role: str = "root", input: bytes | None = None, check: bool = True
+) -> str:
+    """Run etcdctl against `etcd` as `role`; its stdout (CalledProcessError on failure
+    when `check`; then the stderr is in the exception's `stderr`)."""
     out = subprocess.run(
-        [find_etcd_binary("etcdctl"), "--endpoints", etcd.endpoint, *args],
+        etcdctl_argv(etcd, *args, role=role),
+        input=input,
         capture_output=True,
         env={**os.environ, "ETCDCTL_API": "3"},
         timeout=10,
-        check=True,
+        check=check,
     )
     return out.stdout.decode()
 
 
 def put_engine(
-    etcd, engine_id: str, *, model: str, tokenizer: str, lease: str | None = None, **fields
+    etcd,
+    engine_id: str,
+    *,
+    model: str,
+    tokenizer: str,
+    lease: str | None = None,
+    role: str = "engine",
+    **fields,
 ) -> None:
-    """An engine's node record at /quillcache/v1/nodes/engine/{id} (a real vLLM's way in)."""
+    """An engine's node record at /quillcache/v1/nodes/engine/{id} (a real vLLM's way
+    in), written as `role` (an engine: only engines may write engine records)."""
     record = {
         "kind": "engine",
         "id": engine_id,
@@ -35,4 +64,11 @@ def put_engine(
         **fields,
     }
     extra = [f"--lease={lease}"] if lease else []
-    etcdctl(etcd, "put", *extra, f"/quillcache/v1/nodes/engine/{engine_id}", json.dumps(record))
+    etcdctl(
+        etcd,
+        "put",
+        *extra,
+        f"/quillcache/v1/nodes/engine/{engine_id}",
+        json.dumps(record),
+        role=role,
+    )

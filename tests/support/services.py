@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.procs import ManagedProcess, ProcessFailed
+from tests.support.tls import certs_dir, channel, client_context
 
 READY = re.compile(r"^READY (\S+) (.*)$", re.MULTILINE)
 
@@ -23,6 +24,10 @@ class ServiceProcess:
         self, service: str, args: list[str], log_dir: Path, name: str | None = None
     ) -> None:
         self.service = service
+        # Every process runs with the session's certificates unless a test asks otherwise.
+        if "--insecure" not in args and "--tls-dir" not in args:
+            args = [*args, "--tls-dir", str(certs_dir())]
+        self.insecure = "--insecure" in args
         self.args = args
         self.name = name or service
         self.log_path = Path(log_dir) / f"{self.name}.log"
@@ -59,18 +64,27 @@ class ServiceProcess:
 
     def metric(self, name: str) -> float:
         """The value of an unlabelled series on the process's /metrics."""
-        with urllib.request.urlopen(self.metrics_url + "/metrics", timeout=5) as reply:
+        context = None if self.insecure else client_context("operator")
+        url = self.metrics_url + "/metrics"
+        with urllib.request.urlopen(url, timeout=5, context=context) as reply:
             for line in reply.read().decode().splitlines():
                 if line.startswith(name + " "):
                     return float(line.split()[1])
         raise AssertionError(f"{name} not on /metrics")
 
     def _serving(self) -> bool:
-        with grpc.insecure_channel(self.grpc_address) as channel:
+        with self.channel("operator") as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=1.0
             )
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def channel(self, role: str = "operator", *, aio: bool = False, options=()):
+        """A gRPC channel to this process as `role` (plaintext if it runs --insecure)."""
+        if self.insecure:
+            maker = grpc.aio.insecure_channel if aio else grpc.insecure_channel
+            return maker(self.grpc_address, options=list(options))
+        return channel(self.grpc_address, role, aio=aio, options=options)
 
     def stop(self) -> int | None:
         return self.proc.stop()

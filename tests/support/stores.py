@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
@@ -112,7 +111,7 @@ class Fleet:
 
 def locate(conductor: ServiceProcess, key: KvBlockKey) -> list[tuple[str, CacheTier]]:
     """(node id, tier) of every store holding `key`'s hash under its identity."""
-    with grpc.insecure_channel(conductor.grpc_address) as channel:
+    with conductor.channel("store") as channel:
         reply = conductor_pb2_grpc.ConductorStub(channel).Locate(
             conductor_pb2.LocateRequest(
                 identity=wire.identity_of(key), block_hashes=[key.block_hash]

@@ -35,7 +35,7 @@ json_values = st.recursive(
 
 
 def gateway() -> Gateway:
-    return Gateway(GatewayConfig(conductor="127.0.0.1:1", cache_salts="acme=salty"))
+    return Gateway(GatewayConfig(conductor="127.0.0.1:1", cache_salts="acme=salty", insecure=True))
 
 
 def plain_body(payload: dict, salt: str, plan: dict) -> dict:
@@ -169,7 +169,10 @@ def test_gateway_and_conductor_derive_the_same_keys_for_one_engine_record(
 def with_tokenizer(path: str) -> Gateway:
     return Gateway(
         GatewayConfig(
-            conductor="127.0.0.1:1", cache_salts="acme=salty", tokenizers=f"sim-model={path}"
+            conductor="127.0.0.1:1",
+            cache_salts="acme=salty",
+            tokenizers=f"sim-model={path}",
+            insecure=True,
         )
     )
 

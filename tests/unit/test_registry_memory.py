@@ -22,6 +22,7 @@ from quillcache_core.registry import (
     open_registry,
     parse_node_key,
 )
+from tests.support.tls import tls
 
 pytestmark = pytest.mark.unit
 
@@ -137,6 +138,25 @@ def test_open_registry() -> None:
     for bad in ["", "redis://x:1", "etcd://", "etcd://host", "etcd://host:http", "https://h:1"]:
         with pytest.raises(InvalidArgument):
             open_registry(bad)
+    assert reg.tls is None
+
+
+def test_open_registry_tls() -> None:
+    engine = tls("engine")
+    reg = open_registry("https://127.0.0.1:2379,etcd-1:2379/", engine)
+    assert isinstance(reg, EtcdRegistry) and reg.tls == engine
+    assert reg.endpoints == ["127.0.0.1:2379", "etcd-1:2379"]
+    with pytest.raises(InvalidArgument, match="https.*certificates"):
+        open_registry("https://127.0.0.1:2379")
+    with pytest.raises(InvalidArgument, match="certificates"):
+        EtcdRegistry(["https://127.0.0.1:2379"])
+    # etcd:// follows the certificates given; http:// is always plaintext.
+    assert open_registry("etcd://127.0.0.1:2379", engine).tls == engine  # type: ignore[attr-defined]
+    assert open_registry("http://127.0.0.1:2379", engine).tls is None  # type: ignore[attr-defined]
+    assert isinstance(open_registry("memory", engine), MemoryRegistry)
+    for bad in ["https://", "https://host", "https://h:1/x"]:
+        with pytest.raises(InvalidArgument):
+            open_registry(bad, engine)
 
 
 # ---------------------------------------------------------------- MemoryRegistry

@@ -3,12 +3,30 @@ import pytest
 from quillcache_conductor.config import ConductorConfig
 from quillcache_core.process.settings import load_settings
 from quillcache_gateway.config import GatewayConfig
+from tests.support.tls import certs_dir
 
 pytestmark = pytest.mark.unit
 
 
 def load(cls, argv, env):
-    return load_settings(cls, argv, prog="t", description="t", env=env)
+    """Settings as a development run gives them (--insecure in the environment)."""
+    return load_settings(cls, argv, prog="t", description="t", env={"QC_INSECURE": "1", **env})
+
+
+def test_tls_is_required_unless_insecure_is_asked_for(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        load_settings(ConductorConfig, [], prog="t", description="t", env={})
+    assert done.value.code == 2
+    assert "TLS is required: pass --tls-dir DIR" in capsys.readouterr().err
+    bare = load_settings(ConductorConfig, ["--insecure"], prog="t", description="t", env={})
+    assert bare.insecure and bare.tls("conductor") is None
+    off = ["--insecure", "false"]
+    with pytest.raises(SystemExit):
+        load_settings(ConductorConfig, off, prog="t", description="t", env={})
+    secure = load_settings(
+        ConductorConfig, [], prog="t", description="t", env={"QC_TLS_DIR": str(certs_dir())}
+    )
+    assert secure.tls("conductor").cert.name == "conductor.pem"
 
 
 def test_cli_beats_env_beats_default():

@@ -10,6 +10,12 @@ hit, fetch and recompute blocks.
 The conductor's policy is fixed per process, so only the running conductor's policy
 is measured (read from its Stats call); comparing policies live means restarting the
 cluster with `quillcache up --policy NAME` and running this again.
+
+Against a secure cluster (the endpoints file has "tls": the operator's certificate
+and the CA) the requests go as a tenant's do: HTTPS to the gateway verified by the
+CA, with the tenant's API key, no client certificate; the conductor's Stats call is
+made as the operator (mutual TLS). An --insecure cluster's file has no "tls": plain
+HTTP and gRPC then.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import aiohttp
 import numpy as np
 
 from quillcache_bench.common import Progress, render_table, write_results
+from quillcache_bench.secure import operator_tls, tenant_context
 from quillcache_core.errors import InvalidArgument
 
 REQUEST_TIMEOUT_S = 120.0
@@ -64,7 +71,7 @@ def run_live(args) -> int:
         raise InvalidArgument(f"--live: {path} lists no api_keys")
     if args.live_requests <= 0 or args.live_rate <= 0:
         raise InvalidArgument("--live-requests and --live-rate must be positive")
-    policy = asyncio.run(_conductor_policy(endpoints.get("conductor", "")))
+    policy = asyncio.run(_conductor_policy(endpoints.get("conductor", ""), endpoints))
     started = time.monotonic()
     run = asyncio.run(_drive(endpoints, args))
     duration = time.monotonic() - started
@@ -72,15 +79,14 @@ def run_live(args) -> int:
     return 0
 
 
-async def _conductor_policy(address: str) -> str:
+async def _conductor_policy(address: str, endpoints: dict) -> str:
     if not address:
         return "unknown (no conductor address in the endpoints file)"
     try:
-        import grpc
-
         from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+        from quillcache_core.security.tls import grpc_channel
 
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with grpc_channel(address, operator_tls(endpoints)) as channel:
             stats = await conductor_pb2_grpc.ConductorStub(channel).Stats(
                 conductor_pb2.StatsRequest(), timeout=5
             )
@@ -102,8 +108,10 @@ async def _drive(endpoints: dict, args) -> _Run:
     run = _Run()
     progress = Progress("live bench", args.live_requests)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    context = tenant_context(endpoints)  # a tenant verifies the gateway by the CA
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+        connector=aiohttp.TCPConnector(limit=0, ssl=context if context is not None else True),
+        timeout=timeout,
     ) as session:
         model = await _model(session, gateway, keys[tenants[0]])
         budget = args.live_requests
@@ -294,6 +302,7 @@ def _report(args, endpoints: dict, policy: str, run: _Run, duration: float) -> N
         "mode": "live",
         "policy": policy,
         "gateway_url": endpoints["gateway_url"],
+        "tls": bool(endpoints.get("tls")),
         "config": {
             "requests": args.live_requests,
             "conversation_rate": args.live_rate,

@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_transfer.__main__",
         "copy, move and prefetch blocks between store nodes (gRPC)",
     ),
+    "certs": (
+        "quillcache_core.security.certs",
+        "make the cluster's CA, one certificate per role, and its shared secrets",
+    ),
     "register-engine": (
         "quillcache_core.launch.register_engine",
         "put an engine you started (vLLM with KV events) in the fleet and keep its lease",

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from quillcache_core.launch import vllm_engine
 from quillcache_core.launch.etcd_server import EtcdServer
+from quillcache_core.security.certs import make_certs
+from quillcache_core.security.tls import Tls, grpc_channel
 
 READY = re.compile(r"^READY (\S+) (.*)$", re.MULTILINE)
 DEMO_TENANTS = ("acme", "globex")
@@ -45,6 +47,7 @@ class Child:
     service: str
     argv: list[str]
     log_path: Path
+    env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
     fields: dict[str, str] = field(default_factory=dict)
 
@@ -75,13 +78,16 @@ class LocalCluster:
         engine_kind: str = "sim",
         vllm_model_dir: Path | None = None,
         engine_options: dict[int, dict] | None = None,
+        insecure: bool = False,
     ) -> None:
         """`engine_kind` "vllm" starts real vLLM servers from the cached environment
         (`vllm_env`) serving `vllm_model_dir` (default: the tiny model) as `model`.
         `engine_options[i]` overrides engine i: "model" (served name), "vllm_args"
         (extra server flags), "tokenizer" (its record's), "events_port", and
         "kv_events_endpoint" (registered instead of the engine's own, e.g. a proxy),
-        "connector" (False: no QuillCache KV connector); a sim engine's "sim_args"."""
+        "connector" (False: no QuillCache KV connector); a sim engine's "sim_args".
+        Every port demands mutual TLS with the certificates made in <data_dir>/certs
+        (`quillcache certs`), and etcd its users and roles, unless `insecure`."""
         if engine_kind not in ("sim", "vllm"):
             raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
         if engines < 1 or stores < 1:
@@ -104,6 +110,17 @@ class LocalCluster:
         self.etcd: EtcdServer | None = None
         self.children: list[Child] = []
         self.api_keys = {tenant: f"qc-{tenant}-{secrets.token_hex(8)}" for tenant in DEMO_TENANTS}
+        self.insecure = insecure
+        self.certs_dir = self.data_dir / "certs"
+        # The operator's certificates: what this launcher (and the endpoints file's
+        # reader) uses to talk to the cluster; None when insecure.
+        self.tls: Tls | None = None
+
+    def _security_args(self) -> list[str]:
+        return ["--insecure"] if self.insecure else ["--tls-dir", str(self.certs_dir)]
+
+    def _role_tls(self, role: str) -> Tls | None:
+        return None if self.insecure else Tls.from_dir(self.certs_dir, role)
 
     # --- lifecycle --------------------------------------------------------------------
 
@@ -118,7 +135,12 @@ class LocalCluster:
     def _start(self, timeout_s: float) -> dict:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.etcd = EtcdServer(self.data_dir / "etcd")
+        if not self.insecure:
+            make_certs(self.certs_dir)
+            self.tls = self._role_tls("operator")
+        self.etcd = EtcdServer(
+            self.data_dir / "etcd", tls_dir=None if self.insecure else self.certs_dir
+        )
         self.etcd.start()
         self.log(f"etcd       {self.etcd.client_url}")
         registry = ["--registry", self.etcd.client_url, "--lease-ttl-s", str(self.lease_ttl_s)]
@@ -214,6 +236,10 @@ class LocalCluster:
                 },
             },
             "api_keys": dict(self.api_keys),
+            # The operator's client certificate, for grpcurl, etcdctl, curl and scripts.
+            "tls": None
+            if self.tls is None
+            else {"ca": str(self.tls.ca), "cert": str(self.tls.cert), "key": str(self.tls.key)},
         }
 
     def _start_gateway(self, conductor: Child, engines: int, timeout_s: float) -> Child:
@@ -229,7 +255,7 @@ class LocalCluster:
         return gateway
 
     def _run(self, name: str, service: str, args: list[str], timeout_s: float) -> Child:
-        args = [*args, *self.extra_args.get(service, [])]
+        args = [*args, *self._security_args(), *self.extra_args.get(service, [])]
         child = Child(
             name,
             service,
@@ -264,10 +290,22 @@ class LocalCluster:
             raise ClusterError("vllm is not installed: run `quillcache vllm-env` first")
         options = self.engine_options.get(i, {})
         model_dir = Path(self.vllm_model_dir or env.model_dir).resolve()
+        tls = self._role_tls("engine")
+        scheme = "http" if tls is None else "https"
         served = options.get("model", self.model)
         port = vllm_engine.free_port()
         events_port = options.get("events_port") or vllm_engine.free_port()
         replay_port = vllm_engine.free_port()
+        # vLLM's event sockets have no authentication and carry token ids: unless a test
+        # asks for a TCP port, they are unix sockets in a directory only we may open.
+        if options.get("events_port"):
+            events = f"tcp://127.0.0.1:{events_port}"
+            replay = f"tcp://127.0.0.1:{replay_port}"
+        else:
+            sockets = self.data_dir / "ipc"
+            sockets.mkdir(mode=0o700, exist_ok=True)
+            events = f"ipc://{sockets}/engine-{i}-events"
+            replay = f"ipc://{sockets}/engine-{i}-replay"
         connector_metrics = vllm_engine.free_port()
         name = f"engine-{i}"
         argv = env.serve_command() + vllm_engine.serve_args(
@@ -284,17 +322,27 @@ class LocalCluster:
                 "tokenizer": options.get("tokenizer", str(model_dir)),
                 "index_block_tokens": 16,
                 "metrics_port": connector_metrics,
+                **({"insecure": True} if tls is None else {"tls_dir": str(self.certs_dir)}),
             },
             extra=options.get("vllm_args"),
+            tls=tls,
+            events_endpoint="" if events.startswith("tcp://") else events,
+            replay_endpoint="" if replay.startswith("tcp://") else replay,
         )
-        child = Child(name, "vllm", argv, self.data_dir / "logs" / f"{name}.log")
-        child.fields = {"http": f"http://127.0.0.1:{port}"}
+        child = Child(
+            name,
+            "vllm",
+            argv,
+            self.data_dir / "logs" / f"{name}.log",
+            env=vllm_engine.serve_env(tls),
+        )
+        child.fields = {"http": f"{scheme}://127.0.0.1:{port}"}
         _spawn(child)
         self.children.append(child)
         # A cold start takes a minute.
         self._wait_healthy(child, time.monotonic() + max(timeout_s, 300.0), "(vLLM)")
         self.log(f"{name:<10} {child.fields['http']} (vLLM, {served})")
-        events = options.get("kv_events_endpoint") or f"tcp://127.0.0.1:{events_port}"
+        registered_events = options.get("kv_events_endpoint") or events
         self._run(
             f"{name}-registration",
             "register-engine",
@@ -314,9 +362,9 @@ class LocalCluster:
                 "--block-size",
                 str(vllm_engine.VLLM_CPU_BLOCK_SIZE),
                 "--kv-events-endpoint",
-                events,
+                registered_events,
                 "--kv-replay-endpoint",
-                f"tcp://127.0.0.1:{replay_port}",
+                replay,
                 "--locality-domain",
                 f"rack-{(i % self.stores) % 2}",
                 "--store-node",
@@ -324,9 +372,9 @@ class LocalCluster:
             ],
             timeout_s,
         )
-        child.fields["connector_metrics"] = f"http://127.0.0.1:{connector_metrics}/metrics"
-        child.fields["events"] = f"tcp://127.0.0.1:{events_port}"
-        child.fields["replay"] = f"tcp://127.0.0.1:{replay_port}"
+        child.fields["connector_metrics"] = f"{scheme}://127.0.0.1:{connector_metrics}/metrics"
+        child.fields["events"] = events
+        child.fields["replay"] = replay
         return child
 
     @staticmethod
@@ -354,21 +402,21 @@ class LocalCluster:
         if code is not None:
             raise ClusterError(f"{child.name} exited with code {code}:\n{child.log_tail()}")
 
-    @staticmethod
-    def _healthy(child: Child) -> bool:
+    def _healthy(self, child: Child) -> bool:
         try:
             if "grpc" not in child.fields and "http" not in child.fields:
                 return True  # nothing to ask (register-engine): its READY line is enough
             if "grpc" in child.fields:
-                import grpc
                 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-                with grpc.insecure_channel(child.fields["grpc"]) as channel:
+                with grpc_channel(child.fields["grpc"], self.tls, aio=False) as channel:
                     reply = health_pb2_grpc.HealthStub(channel).Check(
                         health_pb2.HealthCheckRequest(), timeout=1.0
                     )
                 return reply.status == health_pb2.HealthCheckResponse.SERVING
-            with urllib.request.urlopen(child.fields["http"] + "/health", timeout=1.0) as reply:
+            context = self.tls.client_context() if self.tls else None
+            url = child.fields["http"] + "/health"
+            with urllib.request.urlopen(url, timeout=1.0, context=context) as reply:
                 return reply.status == 200
         except Exception:  # noqa: BLE001 - not healthy yet
             return False
@@ -380,7 +428,7 @@ class LocalCluster:
         from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(conductor) as channel:
+        with grpc_channel(conductor, self.tls, aio=False) as channel:
             stub = conductor_pb2_grpc.ConductorStub(channel)
             while True:
                 with contextlib.suppress(grpc.RpcError):
@@ -419,7 +467,6 @@ class LocalCluster:
 def _spawn(child: Child) -> None:
     """Start the child's command line in its own process group, output appended to its log
     (a vLLM server with its environment variables)."""
-    env = vllm_engine.serve_env() if child.service == "vllm" else None
     with open(child.log_path, "ab") as log:
         child.proc = subprocess.Popen(
             child.argv,
@@ -427,7 +474,7 @@ def _spawn(child: Child) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=env,
+            env=child.env,
         )
 
 
@@ -485,6 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lease-ttl-s", type=float, default=3.0, help="registry lease TTL of every node"
     )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="development only: plaintext everywhere, no certificates, no etcd users, no "
+        "role checks (the default is mutual TLS with certificates made in <data-dir>/certs)",
+    )
     return parser
 
 
@@ -508,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_kind=args.engine,
             model="sim-model" if args.engine == "sim" else "tiny",
             vllm_model_dir=Path(args.model) if args.model else None,
+            insecure=args.insecure,
         )
         print(f"starting the local cluster in {data_dir}", flush=True)
         try:
@@ -521,8 +575,9 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.endpoints_file).write_text(text)
             print("\nQuillCache is up:\n" + text, flush=True)
             key = endpoints["api_keys"][DEMO_TENANTS[0]]
+            cacert = f"--cacert {endpoints['tls']['ca']} " if endpoints["tls"] else ""
             print(
-                f"\ntry:  curl -N {endpoints['gateway_url']}/v1/chat/completions "
+                f"\ntry:  curl -N {cacert}{endpoints['gateway_url']}/v1/chat/completions "
                 f"-H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{cluster.model}", "stream": true, "messages": '
                 '[{"role": "user", "content": "Hello"}]}\'',

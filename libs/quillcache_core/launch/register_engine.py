@@ -7,9 +7,12 @@ engine's start time (`process_start_time_seconds` on its /metrics, every
 --watch-interval-s): when the engine restarts, its cache is gone, and the record is
 written again with the new start time, so the conductor drops what the engine held. The conductor then
 subscribes to the engine's KV events and the gateway routes its model to it. The same
-record can be written with etcdctl instead (then keep its lease alive yourself):
+record can be written with etcdctl instead, as the `engine` role (etcd lets no other
+role write engine records; then keep its lease alive yourself):
 
-    etcdctl put /quillcache/v1/nodes/engine/vllm-0 '{"base_url": "http://10.0.0.5:8000",
+    etcdctl --endpoints https://10.0.0.2:2379 --cacert certs/ca.pem \
+      --cert certs/engine.pem --key certs/engine-key.pem \
+      put /quillcache/v1/nodes/engine/vllm-0 '{"base_url": "https://10.0.0.5:8000",
       "model": "tiny", "tokenizer": "/models/tiny", "block_size": 32,
       "kv_events_endpoint": "tcp://10.0.0.5:5557",
       "kv_replay_endpoint": "tcp://10.0.0.5:5558", "locality_domain": "rack-a"}'
@@ -28,6 +31,7 @@ from quillcache_core.errors import InvalidArgument
 from quillcache_core.process.service import configure_logging, serve_until_signalled
 from quillcache_core.process.settings import load_settings, opt
 from quillcache_core.registry import NodeRecord, open_registry
+from quillcache_core.security.tls import Tls, TlsSettings
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +43,11 @@ DESCRIPTION = (
 
 
 @dataclass(frozen=True)
-class RegisterEngineConfig:
+class RegisterEngineConfig(TlsSettings):
     id: str = opt("", "the engine's id in the fleet (required)")
-    base_url: str = opt("", "the engine's OpenAI server, http://host:port (required)")
+    base_url: str = opt(
+        "", "the engine's OpenAI server, https://host:port (http:// with --insecure; required)"
+    )
     model: str = opt("", "the model name it serves (vLLM's --served-model-name; required)")
     tokenizer: str = opt(
         "",
@@ -61,6 +67,7 @@ class RegisterEngineConfig:
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for flag, value in (
             ("--id", self.id),
             ("--base-url", self.base_url),
@@ -69,8 +76,9 @@ class RegisterEngineConfig:
         ):
             if not value:
                 raise InvalidArgument(f"{flag} is required")
-        if not self.base_url.startswith("http://"):
-            raise InvalidArgument("--base-url must be http://host:port")
+        scheme = "http://" if self.insecure else "https://"
+        if not self.base_url.startswith(scheme):
+            raise InvalidArgument(f"--base-url must be {scheme}host:port")
         if self.block_size < 0 or self.lease_ttl_s <= 0:
             raise InvalidArgument("--block-size must be >= 0 and --lease-ttl-s positive")
 
@@ -97,12 +105,13 @@ class EngineRegistration:
 
     def __init__(self, config: RegisterEngineConfig) -> None:
         self.config = config
-        self.registry = open_registry(config.registry)
+        self.tls = config.tls("engine")
+        self.registry = open_registry(config.registry, self.tls)
         self.started_at = 0.0
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.started_at = await engine_start_time(self.config.base_url) or time.time()
+        self.started_at = await engine_start_time(self.config.base_url, self.tls) or time.time()
         await self.registry.register(self.config.record(self.started_at), self.config.lease_ttl_s)
         if self.config.watch_interval_s > 0:
             self._watch = asyncio.get_running_loop().create_task(self._watch_restarts())
@@ -110,7 +119,7 @@ class EngineRegistration:
     async def _watch_restarts(self) -> None:
         while True:
             await asyncio.sleep(self.config.watch_interval_s)
-            now = await engine_start_time(self.config.base_url)
+            now = await engine_start_time(self.config.base_url, self.tls)
             if now is None or now == self.started_at:
                 continue
             logger.info("engine %s restarted (start time %.3f)", self.config.id, now)
@@ -130,12 +139,16 @@ class EngineRegistration:
         await self.registry.close()
 
 
-async def engine_start_time(base_url: str, timeout_s: float = 2.0) -> float | None:
+async def engine_start_time(
+    base_url: str, tls: Tls | None = None, timeout_s: float = 2.0
+) -> float | None:
     """The engine server's process start time from its /metrics, None if unreadable."""
+    context = tls.client_context() if tls else None
 
     def read() -> float | None:
+        url = base_url.rstrip("/") + "/metrics"
         try:
-            with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            with urllib.request.urlopen(url, timeout=timeout_s, context=context) as r:
                 for line in r.read().decode("utf-8", "replace").splitlines():
                     if line.startswith("process_start_time_seconds "):
                         return float(line.split()[1])

@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 from pathlib import Path
+
+from quillcache_core.security.tls import Tls
 
 # vLLM on CPU refuses a block size that is not a multiple of 32.
 VLLM_CPU_BLOCK_SIZE = 32
@@ -43,19 +46,25 @@ def serve_args(
     max_model_len: int = 2048,
     connector: dict | None = None,
     extra: list[str] | None = None,
+    tls: Tls | None = None,
+    events_endpoint: str = "",
+    replay_endpoint: str = "",
 ) -> list[str]:
     """The server's arguments after `python -m vllm.entrypoints.openai.api_server`.
 
     vLLM's publisher must bind a wildcard (`tcp://*:P`): bound to 127.0.0.1 it connects
     instead, and a subscriber hears nothing. `connector` is the QuillCache KV connector's
     extra config (`store`, `model`, `tokenizer`, ...; see `connector_config`), None for
-    an engine without one.
+    an engine without one. `events_endpoint` / `replay_endpoint` replace the wildcard TCP
+    sockets (an `ipc://` path: only processes of this host that may open it subscribe). With `tls` (the engine role's certificates) the server speaks
+    HTTPS and demands a client certificate of the cluster's CA; its API key comes from
+    the environment (`serve_env`), not the command line.
     """
     events = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{events_port}",
-        "replay_endpoint": f"tcp://*:{replay_port}",
+        "endpoint": events_endpoint or f"tcp://*:{events_port}",
+        "replay_endpoint": replay_endpoint or f"tcp://*:{replay_port}",
         "topic": "kv",
     }
     return [
@@ -77,6 +86,20 @@ def serve_args(
         "--kv-events-config",
         json.dumps(events),
         *(["--kv-transfer-config", json.dumps(connector_config(connector))] if connector else []),
+        *(
+            [
+                "--ssl-keyfile",
+                str(tls.key),
+                "--ssl-certfile",
+                str(tls.cert),
+                "--ssl-ca-certs",
+                str(tls.ca),
+                "--ssl-cert-reqs",
+                str(int(ssl.CERT_REQUIRED)),
+            ]
+            if tls
+            else []
+        ),
         *(extra or []),
     ]
 
@@ -93,5 +116,10 @@ def connector_config(extra: dict) -> dict:
     }
 
 
-def serve_env() -> dict[str, str]:
-    return {**os.environ, **VLLM_ENV}
+def serve_env(tls: Tls | None = None) -> dict[str, str]:
+    """vLLM's environment; with `tls`, the engine credential as its API key (vLLM then
+    demands it on /v1)."""
+    env = {**os.environ, **VLLM_ENV}
+    if tls is not None:
+        env["VLLM_API_KEY"] = tls.engine_key()
+    return env

@@ -81,6 +81,8 @@ def load_settings(
             choices=f.metadata.get("choices"),
             metavar=f.name.upper() if kind is not bool else "BOOL",
             help=help_text + f" (default: {f.default!r})",
+            # A bool flag alone means true (`--insecure`); `--flag false` still works.
+            **({"nargs": "?", "const": True} if kind is bool else {}),
         )
     args = vars(parser.parse_args(list(argv) if argv is not None else None))
     values: dict[str, Any] = {}

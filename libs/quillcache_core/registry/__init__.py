@@ -5,15 +5,19 @@ Two implementations share the `NodeRegistry` interface (`base`):
 * `MemoryRegistry` (`memory`): in-process, for unit tests and single-process runs.
 * `EtcdRegistry` (`etcd`): etcd v3 via `etcd3aio` (async gRPC).
 
-`open_registry("memory")` / `open_registry("etcd://127.0.0.1:2379")` picks one.
-Records and their keys are in `records`.
+`open_registry("memory")` / `open_registry("etcd://127.0.0.1:2379")` /
+`open_registry("https://127.0.0.1:2379", tls)` picks one. Records and their keys are
+in `records`.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.registry.base import NodeRegistry
-from quillcache_core.registry.etcd import EtcdRegistry, normalize_endpoint
+from quillcache_core.registry.etcd import EtcdRegistry, RegistryAccessDenied, normalize_endpoint
 from quillcache_core.registry.memory import MemoryRegistry
 from quillcache_core.registry.records import (
     NODE_KINDS,
@@ -25,6 +29,9 @@ from quillcache_core.registry.records import (
     parse_node_key,
 )
 
+if TYPE_CHECKING:
+    from quillcache_core.security.tls import Tls
+
 __all__ = [
     "NODES_PREFIX",
     "NODE_KINDS",
@@ -33,6 +40,7 @@ __all__ = [
     "NodeEvent",
     "NodeRecord",
     "NodeRegistry",
+    "RegistryAccessDenied",
     "kind_prefix",
     "node_key",
     "normalize_endpoint",
@@ -44,22 +52,43 @@ __all__ = [
 # ---------------------------------------------------------------------------- open
 
 
-def open_registry(spec: str) -> NodeRegistry:
+log = logging.getLogger(__name__)
+
+
+def open_registry(spec: str, tls: Tls | None = None) -> NodeRegistry:
     """Open a registry from a spec string.
 
-    "memory" -> MemoryRegistry; "etcd://h:p[,h:p...]" or "http://h:p[,...]" ->
-    EtcdRegistry. Anything else raises InvalidArgument."""
+    * "memory" -> MemoryRegistry (`tls` is not used);
+    * "https://h:p[,h:p...]" -> EtcdRegistry over mutual TLS as `tls.role`; `tls` is
+      required;
+    * "etcd://h:p[,...]" -> EtcdRegistry, over TLS when `tls` is given, else plaintext;
+    * "http://h:p[,...]" -> EtcdRegistry in plaintext (a `tls` given is not used).
+
+    Anything else raises InvalidArgument."""
     text = (spec or "").strip()
     if text in ("memory", "memory://"):
         return MemoryRegistry()
-    for scheme in ("etcd://", "http://"):
+    for scheme in ("https://", "etcd://", "http://"):
         if text.startswith(scheme):
             rest = text[len(scheme) :]
             items = [item for item in rest.split(",") if item.strip()]
             if not items:
                 break
-            return EtcdRegistry([normalize_endpoint(item) for item in items])
+            endpoints = [normalize_endpoint(item) for item in items]
+            if scheme == "https://" and tls is None:
+                raise InvalidArgument(
+                    f"registry {spec!r} is TLS (https://): it needs the client's "
+                    "certificates (--tls-dir), or an http:// registry with --insecure"
+                )
+            if scheme == "http://" and tls is not None:
+                log.warning(
+                    "registry %s is plaintext (http://): not using TLS for it; "
+                    "use https:// for a TLS etcd",
+                    spec,
+                )
+                tls = None
+            return EtcdRegistry(endpoints, tls=tls)
     raise InvalidArgument(
-        f"registry spec must be 'memory', 'etcd://host:port[,host:port...]' or "
-        f"'http://host:port', got {spec!r}"
+        f"registry spec must be 'memory', 'https://host:port[,host:port...]' (TLS), "
+        f"'etcd://host:port[,...]' or 'http://host:port[,...]', got {spec!r}"
     )

@@ -10,14 +10,15 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
+from etcd3aio.errors import EtcdPermissionDeniedError, EtcdUnauthenticatedError
 
-from quillcache_core.errors import InvalidArgument, NodeUnavailable
+from quillcache_core.errors import InvalidArgument, NodeUnavailable, QuillCacheError
 from quillcache_core.registry.base import WATCH_END, NodeRegistry, WatchFailure
 from quillcache_core.registry.records import (
     JOIN,
@@ -34,7 +35,16 @@ from quillcache_core.registry.records import (
     parse_node_key,
 )
 
+if TYPE_CHECKING:
+    from quillcache_core.security.tls import Tls
+
 log = logging.getLogger(__name__)
+
+
+class RegistryAccessDenied(QuillCacheError):
+    """etcd refused the call: this client's role (its certificate's name) may not
+    read or write that key. Not transient: retrying does not help until the
+    certificate or etcd's roles change."""
 
 
 # --------------------------------------------------------------------------- etcd
@@ -43,7 +53,18 @@ log = logging.getLogger(__name__)
 _EV_PUT = 0
 _EV_DELETE = 1
 
-# Everything an etcd call can fail with when etcd is down, slow or restarting.
+_DENIED_CODES = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+
+
+def _is_denial(exc: BaseException) -> bool:
+    """Whether etcd refused the call for who we are (RBAC), not for being down."""
+    if isinstance(exc, EtcdPermissionDeniedError | EtcdUnauthenticatedError):
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in _DENIED_CODES
+
+
+# Everything an etcd call can fail with when etcd is down, slow or restarting (and,
+# sorted out by `_is_denial`, when it refuses us).
 _ETCD_ERRORS: tuple[type[BaseException], ...] = (
     EtcdError,
     grpc.aio.AioRpcError,
@@ -54,7 +75,7 @@ _ETCD_ERRORS: tuple[type[BaseException], ...] = (
 
 def normalize_endpoint(item: str) -> str:
     ep = item.strip()
-    for scheme in ("etcd://", "http://"):
+    for scheme in ("etcd://", "http://", "https://"):
         if ep.startswith(scheme):
             ep = ep[len(scheme) :]
             break
@@ -116,6 +137,11 @@ class EtcdRegistry(NodeRegistry):
     leaves for nodes that vanished meanwhile, joins for new ones, updates for changed
     ones. That also covers an etcd that came back without its data (revisions restart).
 
+    With `tls` the connection is mutual TLS: the server must hold a certificate of
+    `tls.ca` for the name `quillcache`, and ours (`tls.cert`, whose common name etcd
+    takes as the user: the role) goes along. A call etcd refuses for that role fails
+    with `RegistryAccessDenied` (e.g. a store registering an engine record).
+
     Two etcd3aio internals are used (no public API exists): the client's channel, for
     the watch stream, and its channel options, to shorten gRPC's reconnect backoff.
     The stream is a raw write/read bidi call rather than etcd3aio's
@@ -127,15 +153,33 @@ class EtcdRegistry(NodeRegistry):
         self,
         endpoints: Iterable[str],
         *,
+        tls: Tls | None = None,
         timeout_s: float = 5.0,
         reconnect_backoff_s: float = 0.1,
         max_reconnect_backoff_s: float = 2.0,
     ) -> None:
         if isinstance(endpoints, str):
             endpoints = endpoints.split(",")
+        endpoints = [ep for ep in endpoints if ep.strip()]
+        if tls is None and any(ep.strip().startswith("https://") for ep in endpoints):
+            raise InvalidArgument("an https:// etcd endpoint needs the client's certificates (tls)")
         self._endpoints = [normalize_endpoint(ep) for ep in endpoints]
         if not self._endpoints:
             raise InvalidArgument("EtcdRegistry needs at least one endpoint")
+        self._tls = tls
+        self._tls_args: dict[str, Any] = {}
+        if tls is not None:
+            from quillcache_core.security.certs import SERVER_NAME
+
+            try:
+                self._tls_args = {
+                    "ca_cert": tls.ca.read_bytes(),
+                    "cert_key": tls.key.read_bytes(),
+                    "cert_chain": tls.cert.read_bytes(),
+                    "tls_server_name": SERVER_NAME,
+                }
+            except OSError as exc:
+                raise InvalidArgument(f"cannot read the etcd client certificates: {exc}") from None
         if not timeout_s > 0:
             raise InvalidArgument("timeout_s must be > 0")
         self._timeout_s = float(timeout_s)
@@ -151,6 +195,10 @@ class EtcdRegistry(NodeRegistry):
     def endpoints(self) -> list[str]:
         return list(self._endpoints)
 
+    @property
+    def tls(self) -> Tls | None:
+        return self._tls
+
     # -- connection -----------------------------------------------------------------
 
     async def _conn(self) -> Etcd3Client:
@@ -159,16 +207,30 @@ class EtcdRegistry(NodeRegistry):
         if self._client is None:
             # etcd3aio dials "ipv4:host:port", which takes addresses only: resolve names
             # (docker compose service names, k8s DNS) here.
-            client = Etcd3Client(await _resolve_ipv4(self._endpoints))
+            client = Etcd3Client(await _resolve_ipv4(self._endpoints), **self._tls_args)
             _tune_reconnect(client)
             # connect() only builds the channel (no await inside), so no lock is needed.
             await client.connect()
             self._client = client
-            log.info("etcd registry using %s", ",".join(self._endpoints))
+            log.info(
+                "etcd registry using %s (%s)",
+                ",".join(self._endpoints),
+                f"TLS as {self._tls.role}" if self._tls is not None else "plaintext",
+            )
         return self._client
 
-    def _unavailable(self, what: str, exc: BaseException) -> NodeUnavailable:
-        return NodeUnavailable(f"etcd {what} failed ({','.join(self._endpoints)}): {exc!r}")
+    def _failure(self, what: str, exc: BaseException, key: str = "") -> QuillCacheError:
+        """The domain error of a failed etcd call: RegistryAccessDenied when etcd
+        refused us, else NodeUnavailable."""
+        where = ",".join(self._endpoints)
+        if _is_denial(exc):
+            who = f"role {self._tls.role!r}" if self._tls is not None else "this client"
+            on = f" on {key}" if key else ""
+            hint = "; a role may write only its own kind's records" if what == "put" else ""
+            return RegistryAccessDenied(
+                f"etcd ({where}) denied {what}{on} to {who}: {_detail(exc)}{hint}"
+            )
+        return NodeUnavailable(f"etcd {what} failed ({where}): {exc!r}")
 
     # -- registration -------------------------------------------------------------
 
@@ -217,7 +279,7 @@ class EtcdRegistry(NodeRegistry):
             client = await self._conn()
             lease = await client.lease.grant(ttl, timeout=self._timeout_s)
         except _ETCD_ERRORS as exc:
-            raise self._unavailable("lease grant", exc) from exc
+            raise self._failure("lease grant", exc) from exc
         if reg is not None:
             reg.pending_lease_id = lease.ID
         try:
@@ -229,7 +291,7 @@ class EtcdRegistry(NodeRegistry):
                 reg.pending_lease_id = None
             await self._revoke_quietly(lease.ID)
             if isinstance(exc, _ETCD_ERRORS):
-                raise self._unavailable("put", exc) from exc
+                raise self._failure("put", exc, record.key) from exc
             raise
         return lease.ID, int(lease.TTL) or ttl
 
@@ -249,7 +311,7 @@ class EtcdRegistry(NodeRegistry):
                     return int(resp.TTL)
             raise NodeUnavailable("keepalive stream closed without an answer")
         except _ETCD_ERRORS as exc:
-            raise self._unavailable("lease keepalive", exc) from exc
+            raise self._failure("lease keepalive", exc) from exc
         finally:
             if call is not None:
                 call.cancel()
@@ -266,7 +328,7 @@ class EtcdRegistry(NodeRegistry):
                     ttl = await self._keepalive_once(
                         reg.lease_id, min(self._timeout_s, max(0.5, reg.granted_ttl / 2.0))
                     )
-                except NodeUnavailable as exc:
+                except QuillCacheError as exc:  # unavailable, or denied: a new lease then
                     down_s = time.monotonic() - last_ok
                     if down_s > reg.granted_ttl:
                         log.warning(
@@ -293,6 +355,10 @@ class EtcdRegistry(NodeRegistry):
                 lease_id, granted = await self._grant_and_put(reg.record, reg.ttl, reg)
             except NodeUnavailable as exc:
                 log.debug("re-register of %s/%s failed: %s", kind, node_id, exc)
+                continue
+            except RegistryAccessDenied as exc:  # until etcd's roles change
+                log.error("re-register of %s/%s refused: %s", kind, node_id, exc)
+                await asyncio.sleep(min(reg.granted_ttl, 5.0))
                 continue
             old_lease, reg.lease_id, reg.granted_ttl = reg.lease_id, lease_id, granted
             reg.pending_lease_id = None
@@ -354,7 +420,7 @@ class EtcdRegistry(NodeRegistry):
                 prefix, range_end=prefix_range_end(prefix), timeout=self._timeout_s
             )
         except _ETCD_ERRORS as exc:
-            raise self._unavailable("list", exc) from exc
+            raise self._failure("list", exc, prefix) from exc
 
     async def list(self, kind: str | None = None) -> list[NodeRecord]:
         resp = await self._range(kind_prefix(kind))
@@ -368,7 +434,7 @@ class EtcdRegistry(NodeRegistry):
             client = await self._conn()
             resp = await client.kv.get(key, timeout=self._timeout_s)
         except _ETCD_ERRORS as exc:
-            raise self._unavailable("get", exc) from exc
+            raise self._failure("get", exc, key) from exc
         if not resp.kvs:
             return None
         return NodeRecord.from_json(kind, id, resp.kvs[0].value)
@@ -530,6 +596,15 @@ class EtcdRegistry(NodeRegistry):
         if client is not None:
             await client.close()
         log.info("etcd registry closed (%d registrations removed)", len(regs))
+
+
+def _detail(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name} {exc.details() or ''}".strip()
+    cause = exc.__cause__
+    if isinstance(cause, grpc.aio.AioRpcError):
+        return f"{cause.code().name} {cause.details() or ''}".strip()
+    return str(exc) or type(exc).__name__
 
 
 async def _cancel_task(task: asyncio.Task[None] | None) -> None:

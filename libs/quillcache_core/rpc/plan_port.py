@@ -30,6 +30,8 @@ from google.protobuf.message import DecodeError
 
 from quillcache.v1 import conductor_pb2
 from quillcache_core.rpc.plan_client import PendingCalls, rpc_error
+from quillcache_core.security.access import PLAN_PORT_ROLES
+from quillcache_core.security.tls import Tls, role_of_cert
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +57,20 @@ class PlanPortServer:
     def __init__(
         self,
         handle: Callable[[conductor_pb2.PlanStreamRequest], conductor_pb2.PlanStreamResponse],
+        tls: Tls | None = None,
     ) -> None:
         self._handle = handle
+        self._tls = tls
         self._server: asyncio.AbstractServer | None = None
         self.port = 0
         self.connections = 0
         self.frames = 0
         self.rejected_frames = 0
+        self.refused_connections = 0
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._serve, host, port)
+        ssl = self._tls.server_context() if self._tls else None
+        self._server = await asyncio.start_server(self._serve, host, port, ssl=ssl)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
@@ -77,6 +83,13 @@ class PlanPortServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         peer = writer.get_extra_info("peername")
+        if self._tls is not None:
+            role = role_of_cert(writer.get_extra_info("peercert"))
+            if role not in PLAN_PORT_ROLES:
+                self.refused_connections += 1
+                logger.warning("plan port: refused %s (role %s)", peer, role)
+                writer.close()
+                return
         try:
             while True:
                 try:
@@ -115,8 +128,9 @@ class PlanPortClient:
     task); a reader task resolves each caller's future by call id.
     """
 
-    def __init__(self, resolve: Callable[[], Awaitable[str]]) -> None:
+    def __init__(self, resolve: Callable[[], Awaitable[str]], tls: Tls | None = None) -> None:
         self._resolve = resolve
+        self._ssl = tls.client_context() if tls else None
         self._pending = PendingCalls()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
@@ -183,7 +197,7 @@ class PlanPortClient:
             raise PlanPortUnreachable("the conductor has no plan port")
         host, _, port = address.rpartition(":")
         try:
-            reader, writer = await asyncio.open_connection(host, int(port))
+            reader, writer = await asyncio.open_connection(host, int(port), ssl=self._ssl)
         except (OSError, ValueError) as exc:
             raise PlanPortUnreachable(f"plan port {address}: {exc}") from None
         self._writer = writer

@@ -25,6 +25,8 @@ from quillcache_core.errors import (
     QuillCacheError,
 )
 from quillcache_core.process.metrics import MetricsRegistry
+from quillcache_core.security.access import RoleGuard
+from quillcache_core.security.tls import Tls, add_port
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +137,26 @@ def add_health_and_reflection(
     return servicer
 
 
-async def start_server(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind host:port (port 0 = a free one) and start serving; returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def grpc_server(
+    tls: Tls | None, metrics: MetricsRegistry, options: Iterable[tuple[str, object]] = ()
+) -> grpc.aio.Server:
+    """A gRPC server that, with `tls`, lets each method be called only by its roles
+    (`security.access.RULES`), counting every refusal by method and role."""
+    if tls is None:
+        return grpc.aio.server(options=list(options))
+    denied = metrics.counter(
+        "rpc_denied_total", "calls refused for the caller's role", ["method", "role"]
+    )
+    guard = RoleGuard(lambda method, role: denied.inc(method=method, role=role))
+    return grpc.aio.server(options=list(options), interceptors=[guard])
+
+
+async def start_server(
+    server: grpc.aio.Server, host: str, port: int, tls: Tls | None = None
+) -> int:
+    """Bind host:port (port 0 = a free one; mutual TLS with `tls`) and start serving;
+    returns the bound port."""
+    bound = add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise RuntimeError(f"could not bind gRPC port {host}:{port}")
     await server.start()
@@ -150,9 +169,14 @@ async def set_serving(servicer: health.aio.HealthServicer, service_names: Iterab
 
 
 async def start_metrics_app(
-    metrics: MetricsRegistry, host: str, port: int, extra_routes: Iterable[web.RouteDef] = ()
+    metrics: MetricsRegistry,
+    host: str,
+    port: int,
+    extra_routes: Iterable[web.RouteDef] = (),
+    tls: Tls | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """Serve GET /metrics (Prometheus text) and GET /health on host:port; returns the bound port."""
+    """Serve GET /metrics (Prometheus text) and GET /health on host:port (HTTPS that
+    demands a cluster certificate, with `tls`); returns the bound port."""
 
     async def render(_request: web.Request) -> web.Response:
         return web.Response(text=metrics.render(), content_type="text/plain", charset="utf-8")
@@ -164,7 +188,7 @@ async def start_metrics_app(
     app.add_routes([web.get("/metrics", render), web.get("/health", healthy), *extra_routes])
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=tls.server_context() if tls else None)
     await site.start()
     bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp exposes no accessor
     return runner, bound

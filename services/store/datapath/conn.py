@@ -12,13 +12,20 @@ import socket
 import threading
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
+from quillcache_core.security.tls import Tls
 from quillcache_store.datapath.server import tune_socket
 
 
 class DataConnections:
     def __init__(
-        self, *, idle_per_address: int, io_timeout_s: float, connect_timeout_s: float
+        self,
+        *,
+        idle_per_address: int,
+        io_timeout_s: float,
+        connect_timeout_s: float,
+        tls: Tls | None = None,
     ) -> None:
+        self._ssl = tls.client_context() if tls else None
         self.idle_per_address = idle_per_address
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -34,6 +41,8 @@ class DataConnections:
             sock = socket.create_connection(
                 (host.strip("[]"), int(port)), timeout=self.connect_timeout_s
             )
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock)
         except OSError as exc:
             raise NodeUnavailable(f"cannot connect to data port {address}: {exc}") from None
         tune_socket(sock, self.io_timeout_s)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.security.tls import Tls
 from quillcache_store.blockcodec import CorruptBlock, payload_checksum
 from quillcache_store.datapath import protocol as dataproto
 from quillcache_store.datapath.conn import DataConnections
@@ -82,6 +83,7 @@ class BlockPuller:
         max_block_bytes: int,
         io_timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
+        tls: Tls | None = None,
     ) -> None:
         self.tiered = tiered
         self.max_block_bytes = max_block_bytes
@@ -92,6 +94,7 @@ class BlockPuller:
             idle_per_address=_IDLE_PER_ADDRESS,
             io_timeout_s=io_timeout_s,
             connect_timeout_s=connect_timeout_s,
+            tls=tls,
         )
         self.blocks_pulled = 0
         self.bytes_pulled = 0

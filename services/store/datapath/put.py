@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from quillcache_core.errors import NodeUnavailable
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.security.tls import Tls
 from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.datapath import protocol as dataproto
 from quillcache_store.datapath.conn import DataConnections
@@ -30,13 +31,16 @@ _IDLE_PER_ADDRESS = 8
 class BlockPusher:
     """Puts blocks on stores' data ports. See the module docstring."""
 
-    def __init__(self, *, io_timeout_s: float = 30.0, connect_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, *, io_timeout_s: float = 30.0, connect_timeout_s: float = 5.0, tls: Tls | None = None
+    ) -> None:
         self.io_timeout_s = io_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._conns = DataConnections(
             idle_per_address=_IDLE_PER_ADDRESS,
             io_timeout_s=io_timeout_s,
             connect_timeout_s=connect_timeout_s,
+            tls=tls,
         )
 
     def close(self) -> None:

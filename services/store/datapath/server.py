@@ -32,12 +32,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
 
 from quillcache_core.errors import InvalidArgument, NotFound, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.security.access import DATA_PORT_ROLES
+from quillcache_core.security.tls import Tls, role_of_cert
 from quillcache_store.blockcodec import CorruptBlock, payload_checksum, payload_hasher
 from quillcache_store.datapath import protocol as dataproto
 from quillcache_store.tiers.tiered import TieredStore
@@ -71,15 +74,16 @@ def tune_socket(sock: socket.socket, io_timeout_s: float) -> None:
 
 def is_timeout(exc: OSError) -> bool:
     """Whether a socket error is an I/O timeout (Python's or the kernel's EAGAIN)."""
-    return isinstance(exc, TimeoutError | BlockingIOError)
+    return isinstance(exc, TimeoutError | BlockingIOError | ssl.SSLWantReadError)
 
 
 def recv_exactly(sock: socket.socket, view: memoryview) -> int:
     """Fill `view` from `sock`; returns the bytes received (short only at end of stream)."""
     got = 0
     total = view.nbytes
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while got < total:
-        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+        n = sock.recv_into(view[got:], total - got, flags)
         if n == 0:
             break
         got += n
@@ -89,6 +93,10 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> int:
 def send_parts(sock: socket.socket, parts: list) -> None:
     """Send the buffers in order with as few syscalls as possible (no joining copy)."""
     views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no gather write: one record per part
+        for view in views:
+            sock.sendall(view)
+        return
     while views:
         sent = sock.sendmsg(views)
         while sent:
@@ -157,9 +165,12 @@ class BlockDataServer:
         max_connections: int = 64,
         io_timeout_s: float = 30.0,
         max_block_bytes: int = 256 * 1024 * 1024,
+        tls: Tls | None = None,
     ) -> None:
         self.tiered = tiered
         self.max_block_bytes = max_block_bytes
+        # With TLS a peer shows a certificate of a role in DATA_PORT_ROLES first.
+        self._ssl = tls.server_context() if tls else None
         self.host = host
         self.port = port
         self.max_connections = max_connections
@@ -177,6 +188,7 @@ class BlockDataServer:
         self.blocks_received = 0
         self.bytes_received = 0
         self.puts_refused = 0
+        self.connections_refused = 0
 
     def start(self) -> int:
         listener = socket.create_server((self.host, self.port), backlog=128, reuse_port=False)
@@ -216,6 +228,7 @@ class BlockDataServer:
                 "blocks_received": self.blocks_received,
                 "bytes_received": self.bytes_received,
                 "puts_refused": self.puts_refused,
+                "connections_refused": self.connections_refused,
             }
 
     # --- connections ------------------------------------------------------------------------
@@ -241,8 +254,33 @@ class BlockDataServer:
                 target=self._serve, args=(conn, peer), name="store-data-conn", daemon=True
             ).start()
 
+    def _secure(self, conn: socket.socket, peer) -> socket.socket | None:
+        """The TLS connection of an allowed role, or None (the connection is refused)."""
+        try:
+            conn.settimeout(self.io_timeout_s)
+            secured = self._ssl.wrap_socket(conn, server_side=True)
+        except (OSError, ValueError) as exc:
+            log.warning("block data port: TLS handshake with %s failed: %s", peer, exc)
+            secured = None
+        role = role_of_cert(secured.getpeercert()) if secured is not None else None
+        if secured is not None and role in DATA_PORT_ROLES:
+            with self._lock:
+                self._conns.discard(conn)
+                self._conns.add(secured)
+            return secured
+        if secured is not None:
+            log.warning("block data port: refused %s (role %s)", peer, role)
+        with self._lock:
+            self.connections_refused += 1
+        return None
+
     def _serve(self, conn: socket.socket, peer) -> None:
         try:
+            if self._ssl is not None:
+                secured = self._secure(conn, peer)
+                if secured is None:
+                    return
+                conn = secured
             tune_socket(conn, self.io_timeout_s)
             header = memoryview(bytearray(dataproto.REQUEST_HEADER.size))
             while True:

@@ -1,0 +1,200 @@
+"""`quillcache certs DIR`: a private CA and one certificate per component role.
+
+Every certificate's subject common name is its role (the name etcd's client-cert
+auth takes as the user, and the name the services check a caller by). Each carries
+the DNS names `quillcache` (the name every QuillCache client verifies a server by),
+`localhost`, its role, any `--hosts`, and IP 127.0.0.1, and is good both as a
+server and as a client certificate. Keys are EC P-256, written mode 0600.
+
+Layout of DIR::
+
+    ca.pem  ca-key.pem              the certificate authority
+    <role>.pem  <role>-key.pem      one pair per role in ROLES
+    tenant-secret                   the key of the tenants' cache salts (gateway)
+    engine-api-key                  the credential engines demand (gateway, engines)
+
+Run again on the same DIR it keeps what is there and adds what is missing, so a
+cluster's certificates survive restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+# The component roles. `root` is etcd's administrator (sets up its users and roles);
+# `etcd` is the registry server's own identity; `operator` is a person or a script.
+ROLES = ("gateway", "conductor", "store", "transfer", "engine", "operator", "etcd", "root")
+SERVER_NAME = "quillcache"
+TENANT_SECRET = "tenant-secret"
+ENGINE_KEY = "engine-api-key"
+VALID_DAYS = 365
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "QuillCache"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    data = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
+def _write_secret(path: Path) -> None:
+    if path.exists():
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32) + "\n")
+
+
+def _load_or_make_ca(out: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    cert_path, key_path = out / "ca.pem", out / "ca-key.pem"
+    if cert_path.exists() and key_path.exists():
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        return cert, key  # type: ignore[return-value]
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name("QuillCache CA"))
+        .issuer_name(_name("QuillCache CA"))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS * 5))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    _write_key(key_path, key)
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return cert, key
+
+
+def _role_cert(
+    role: str,
+    hosts: Iterable[str],
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    seen: set[str] = set()
+    for host in (SERVER_NAME, "localhost", role, "127.0.0.1", *hosts):
+        if not host or host in seen:
+            continue
+        seen.add(host)
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(role))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def make_certs(
+    directory: Path | str, hosts: Iterable[str] = (), roles: Iterable[str] = ROLES
+) -> Path:
+    """Write the CA, each role's pair and the shared secrets into `directory` (kept
+    where present); returns the directory."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    ca_cert, ca_key = _load_or_make_ca(out)
+    hosts = list(hosts)
+    for role in roles:
+        cert_path, key_path = out / f"{role}.pem", out / f"{role}-key.pem"
+        if cert_path.exists() and key_path.exists():
+            continue
+        cert, key = _role_cert(role, hosts, ca_cert, ca_key)
+        _write_key(key_path, key)
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_secret(out / TENANT_SECRET)
+    _write_secret(out / ENGINE_KEY)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="quillcache certs",
+        description=(
+            "Make a private CA and one certificate per component role "
+            f"({', '.join(ROLES)}) in DIR, plus the tenant-salt secret and the engine "
+            "credential. Keeps whatever DIR already holds."
+        ),
+    )
+    parser.add_argument("dir", help="where to write the certificates and keys")
+    parser.add_argument(
+        "--hosts",
+        default="",
+        help="extra host names or IPs every certificate is valid for, comma-separated "
+        "(e.g. the compose service names)",
+    )
+    args = parser.parse_args(argv)
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    out = make_certs(args.dir, hosts)
+    print(f"certificates for {', '.join(ROLES)} in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
