@@ -10,6 +10,7 @@ computed from the tenant's name; a fake engine cannot be registered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import ssl
@@ -29,7 +30,8 @@ from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.etcd_server import find_etcd_binary
 from quillcache_core.security.tls import Tls, grpc_channel
 from quillcache_store.client import StoreClient
-from tests.support.cluster import https, openai_client, salt_of
+from tests.support.cluster import https, openai_client, salt_of, tenant_context
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -306,3 +308,44 @@ def test_another_tenant_cannot_read_overwrite_delete_or_find_a_tenants_blocks(cl
                 await store.close()
 
     assert asyncio.run(probe()) > 0
+
+
+def test_clients_that_hang_up_at_random_moments_leave_no_reservation_open(cluster):
+    """200 streaming clients of the real gateway leave at random moments (before the
+    headers, after them, mid-stream); the conductor's open reservations go back to 0."""
+    import random
+
+    import aiohttp
+
+    lc, endpoints = cluster
+    rng = random.Random(17)
+    url = endpoints["gateway_url"] + "/v1/completions"
+    headers = {"Authorization": f"Bearer {endpoints['api_keys']['acme']}"}
+
+    async def one(session: aiohttp.ClientSession, n: int) -> None:
+        body = {"model": MODEL, "prompt": f"hang up {n} " * 40, "max_tokens": 64, "stream": True}
+
+        async def call() -> None:
+            async with session.post(url, json=body, headers=headers) as reply:
+                async for _ in reply.content.iter_any():
+                    pass
+
+        task = asyncio.ensure_future(call())
+        await asyncio.sleep(rng.uniform(0.0, 0.08))
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+    async def main() -> None:
+        connector = aiohttp.TCPConnector(limit=0, ssl=tenant_context(endpoints))
+        async with aiohttp.ClientSession(connector=connector) as session:
+            await asyncio.gather(*(one(session, n) for n in range(200)))
+
+    asyncio.run(main())
+    with grpc_channel(endpoints["conductor"], as_role(lc, "operator"), aio=False) as channel:
+        stub = conductor_pb2_grpc.ConductorStub(channel)
+        wait_until(
+            lambda: stub.Stats(conductor_pb2.StatsRequest(), timeout=5).reservations_open == 0,
+            timeout_s=10,
+            what="every reservation released",
+        )
