@@ -135,6 +135,18 @@ def copy_deploy_tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def check_broken_deploy(root: Path, path: str, old: str, new: str) -> str:
+    """check_deploy.sh on `root` with `old` made `new` in `path`: it fails; its output."""
+    target = root / path
+    text = target.read_text()
+    assert old in text, f"{old!r} is not in {path} any more: update this test"
+    target.write_text(text.replace(old, new, 1))
+    result = run_check_deploy(root)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    return output
+
+
 def render_k8s() -> list[dict]:
     """k8s/ rendered by kustomize (without one: the kustomization's resources and
     generated ConfigMaps, unhashed)."""
@@ -248,14 +260,7 @@ def test_check_deploy_script_passes() -> None:
 def test_check_deploy_script_fails_on_broken_files(
     tmp_path: Path, path: str, old: str, new: str, failure: str
 ) -> None:
-    root = copy_deploy_tree(tmp_path)
-    target = root / path
-    text = target.read_text()
-    assert old in text, f"{old!r} is not in {path} any more: update this test"
-    target.write_text(text.replace(old, new, 1))
-    result = run_check_deploy(root)
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
+    output = check_broken_deploy(copy_deploy_tree(tmp_path), path, old, new)
     assert failure in output, output
 
 

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -26,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,7 @@ from tests.integration.test_deploy_files import (
     QC_COMMANDS,
     ROOT,
     by_kind,
+    check_broken_deploy,
     compose_env,
     copy_deploy_tree,
     flag_envs,
@@ -50,7 +53,6 @@ from tests.integration.test_deploy_files import (
     load_compose,
     qc_command,
     render_k8s,
-    run_check_deploy,
 )
 from tests.support.procs import ProcessFailed
 from tests.support.services import ServiceProcess
@@ -213,13 +215,7 @@ def test_check_deploy_checks_every_kind(
         "apiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\n"
         "metadata: {name: quillcache}\nspec: {}\n"
     )
-    target = root / path
-    text = target.read_text()
-    assert old in text, f"{old!r} is not in {path} any more: update this test"
-    target.write_text(text.replace(old, new, 1))
-    result = run_check_deploy(root)
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
+    output = check_broken_deploy(root, path, old, new)
     assert f"FAILED   {failure}" in output, output
 
 
@@ -423,18 +419,26 @@ def _run_check(check: list[str], port: str, certs: Path) -> subprocess.Completed
     return subprocess.run(check, capture_output=True, text=True, timeout=30, env=env)
 
 
+@contextlib.contextmanager
+def started(name: str, args: list[str], tmp_path: Path) -> Iterator[ServiceProcess]:
+    """The service `name` with `args`, started without its own readiness wait: the
+    healthcheck under test is the check."""
+    process = ServiceProcess(name, args, tmp_path)
+    process._serving = lambda: True  # noqa: SLF001
+    with process:
+        try:
+            process.start(timeout_s=30)
+        except ProcessFailed:
+            pytest.fail(f"{name} did not start:\n{process.log_tail()}")
+        yield process
+
+
 def test_compose_grpc_healthcheck_runs_against_a_tls_conductor(
     tmp_path: Path, compose_certs: Path
 ) -> None:
     check = healthcheck_argv(load_compose()["services"]["conductor"]["healthcheck"]["test"])
     args = ["--port", "0", "--metrics-port", "0", "--tls-dir", str(compose_certs)]
-    conductor = ServiceProcess("conductor", args, tmp_path)
-    conductor._serving = lambda: True  # noqa: SLF001 - the healthcheck below is the check
-    with conductor:
-        try:
-            conductor.start(timeout_s=30)
-        except ProcessFailed:
-            pytest.fail(f"conductor did not start:\n{conductor.log_tail()}")
+    with started("conductor", args, tmp_path) as conductor:
         port = conductor.grpc_address.rsplit(":", 1)[1]
         ok = _run_check(check, port, compose_certs)
         assert ok.returncode == 0, ok.stderr
@@ -452,13 +456,7 @@ def test_compose_engine_healthcheck_runs_against_a_tls_sim_engine(
 ) -> None:
     check = healthcheck_argv(load_compose()["services"]["engine-0"]["healthcheck"]["test"])
     args = ["--port", "0", "--kv-events-port", "0", "--kv-replay-port", "0", "--registry", ""]
-    engine = ServiceProcess("sim-engine", [*args, "--tls-dir", str(compose_certs)], tmp_path)
-    engine._serving = lambda: True  # noqa: SLF001 - the healthcheck below is the check
-    with engine:
-        try:
-            engine.start(timeout_s=30)
-        except ProcessFailed:
-            pytest.fail(f"sim engine did not start:\n{engine.log_tail()}")
+    with started("sim-engine", [*args, "--tls-dir", str(compose_certs)], tmp_path) as engine:
         port = engine.fields["http"].rsplit(":", 1)[1]
         ok = _run_check(check, port, compose_certs)
         assert ok.returncode == 0, ok.stderr

@@ -9,13 +9,12 @@ node records while everyone reads the fleet.
 from __future__ import annotations
 
 import asyncio
-import gc
 import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -36,24 +35,13 @@ from quillcache_core.registry import (
     open_registry,
 )
 from quillcache_core.security.certs import SERVER_NAME
+from tests.support.aio import run
 from tests.support.etcdctl import etcdctl, put_engine
 from tests.support.tls import certs_dir, tls
 
 pytestmark = pytest.mark.integration
 
 ENGINE_KEY = node_key("engine", "x")
-
-
-def run(coro: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
-    async def bounded() -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await coro
-        finally:
-            gc.collect()
-            await asyncio.sleep(0)
-
-    asyncio.run(bounded())
 
 
 def registry(server: EtcdServer, role: str, **kw: Any) -> EtcdRegistry:

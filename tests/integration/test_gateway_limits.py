@@ -38,6 +38,12 @@ def refusal(status: int, retry_after: str | None, data: bytes, type_: str) -> di
     return error
 
 
+async def refused(s, key: str, body: dict, type_: str) -> tuple[dict, str]:
+    """`body` posted as `key` is refused (as `refusal` checks): its error and Retry-After."""
+    status, retry_after, data = await post(s, key, body)
+    return refusal(status, retry_after, data, type_), retry_after
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
     found = re.search(rf"^quillcache_{name}\{{{re.escape(inner)}\}} (\S+)$", text, re.M)
@@ -83,16 +89,14 @@ def test_prompt_tokens_a_minute_refuse_with_the_wait_and_too_large_prompts_outri
         async with gateway_setup(api_keys=KEYS, tenant_limits=limits) as s:
             assert (await post(s, "k-tiny", completion()))[0] == 200
             assert (await post(s, "k-tiny", completion(stream=True)))[0] == 200
-            status, retry_after, data = await post(s, "k-tiny", completion())
-            error = refusal(status, retry_after, data, "tokens")
+            error, retry_after = await refused(s, "k-tiny", completion(), "tokens")
             assert "tokens per min (TPM)" in error["message"]
             # What is missing of a third prompt, at tpm/60 tokens a second: about 12 s.
             wait = (3 * PROMPT_TOKENS - tpm) * 60 / tpm
             assert int(retry_after) in (math.ceil(wait) - 1, math.ceil(wait))
             # A prompt over the whole minute can never pass.
             huge = completion(prompt=" ".join(["word"] * (tpm + 1)))
-            status, retry_after, data = await post(s, "k-tiny", huge)
-            error = refusal(status, retry_after, data, "tokens")
+            error, retry_after = await refused(s, "k-tiny", huge, "tokens")
             assert retry_after == "60" and "Request too large" in error["message"]
             assert (await post(s, "k-acme", completion(prompt=huge["prompt"])))[0] == 200
             text = await s.metrics()
@@ -119,8 +123,7 @@ def test_requests_in_flight_are_capped_per_tenant_and_freed_when_answers_end():
             assert s.gateway.limits.in_flight("globex") == 2
             text = await s.metrics()
             assert metric(text, "gateway_tenant_in_flight", tenant="globex") == 2
-            status, retry_after, data = await post(s, "k-globex", completion())
-            error = refusal(status, retry_after, data, "requests")
+            error, retry_after = await refused(s, "k-globex", completion(), "requests")
             assert retry_after == "1" and "in flight" in error["message"]
             other = asyncio.create_task(post(s, "k-acme", completion()))
             await until(lambda: engine.requests == 3)  # acme went through meanwhile
@@ -144,8 +147,7 @@ def test_defaults_apply_to_tenants_not_listed_and_a_refused_client_may_retry():
             api_keys=KEYS, tenant_limits="acme=concurrent:5", default_rps=1.0
         ) as s:
             assert (await post(s, "k-globex", completion()))[0] == 200
-            status, retry_after, data = await post(s, "k-globex", completion())
-            refusal(status, retry_after, data, "requests")
+            _, retry_after = await refused(s, "k-globex", completion(), "requests")
             # acme is listed without rps: its own entry leaves rps at the default too.
             assert (await post(s, "k-acme", completion()))[0] == 200
             assert (await post(s, "k-acme", completion()))[0] == 429

@@ -5,12 +5,11 @@ register engines) or reads (a conductor watches the fleet)."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import inspect
 import json
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -18,27 +17,12 @@ import pytest
 from quillcache_core.errors import NodeUnavailable
 from quillcache_core.launch.etcd_server import EtcdServer, free_port
 from quillcache_core.registry import EtcdRegistry, NodeEvent, NodeRecord, node_key, open_registry
+from tests.support.aio import run
 from tests.support.etcdctl import etcdctl
 from tests.support.procs import ManagedProcess
 from tests.support.tls import certs_dir, tls
 
 pytestmark = pytest.mark.integration
-
-
-def run(coro: Coroutine[Any, Any, None], timeout_s: float = 30.0) -> None:
-    """asyncio.run with a deadline. Each test gets a fresh loop; collecting garbage
-    while the loop still runs lets grpc.aio release everything bound to it (else its
-    poller may later poke the closed loop: "Event loop is closed" noise)."""
-
-    async def bounded() -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await coro
-        finally:
-            gc.collect()
-            await asyncio.sleep(0)
-
-    asyncio.run(bounded())
 
 
 def registry(server: EtcdServer, role: str = "engine", **kw: Any) -> EtcdRegistry:

@@ -1,9 +1,10 @@
 """An in-process gateway between a fake conductor (gRPC) and fake engines, for tests.
 
-The pattern of tests/integration/test_gateway.py, with knobs for the hardening tests:
-the conductor and the engines may be slow at random (`delay` callables), the conductor
-may answer unary only (a slow PlanStream would serve its calls one at a time), and
-the engines answer both completion routes.
+As in the SGLang router's tests: each fake engine answers with its own id and may
+fail on purpose (`fault`), so a test sees which engine served and what the conductor
+was told. Knobs for the hardening tests: the conductor and the engines may be slow at
+random (`delay` callables), the conductor may answer unary only (a slow PlanStream
+would serve its calls one at a time), and the engines answer both completion routes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def no_delay() -> float:
 
 
 class FakeConductor(conductor_pb2_grpc.ConductorServicer):
-    """Plans onto the first engine not excluded; records every plan made and Finish."""
+    """Plans onto the first engine not excluded, `hit_blocks` of the prompt's blocks
+    cached; records every plan made and Finish, and counts the calls over PlanStream."""
 
     def __init__(
         self,
@@ -47,6 +49,8 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
         self.reservations: list[str] = []  # the reservations handed out, in order
         self.finishes: list[conductor_pb2.FinishRequest] = []
         self.planned_at: dict[str, float] = {}  # request id -> loop time its plan went out
+        self.stream_calls = 0  # the calls made over PlanStream
+        self.hit_blocks = 0  # of every plan: the prompt's blocks the engine has cached
 
     def plan(self, request: conductor_pb2.PlanRequest) -> conductor_pb2.PlanResponse:
         self.plans.append(request)
@@ -58,8 +62,8 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
             reservation_id=reservation_id,
             engine_id=engine_id,
             engine_base_url=url,
-            hit_blocks=0,
-            recompute_blocks=len(request.packed_hashes) // 16,
+            hit_blocks=self.hit_blocks,
+            recompute_blocks=len(request.packed_hashes) // 16 - self.hit_blocks,
             plan_us=42,
         )
 
@@ -97,6 +101,7 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
         async for message in request_iterator:
             reply = conductor_pb2.PlanStreamResponse()
             for call in message.calls:
+                self.stream_calls += 1
                 if call.WhichOneof("call") == "plan":
                     reply.results.add(call_id=call.call_id, plan=self.plan(call.plan))
                 else:
@@ -106,14 +111,18 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
 
 class FakeEngine:
     """An OpenAI-ish engine on both completion routes, slow by `delay()` if asked:
-    before its answer's head and between its three stream events."""
+    before its answer's head and between its three stream events. `fault` is None,
+    "drop" (no answer) or "die" (mid-stream, after the three events)."""
 
     def __init__(self, engine_id: str, delay: Callable[[], float] = no_delay) -> None:
         self.engine_id = engine_id
         self.delay = delay
+        self.fault: str | None = None
         self.gate: asyncio.Event | None = None  # when set: every answer waits for it
         self.requests = 0
         self.log: list[dict] = []  # per request: user, request_id, arrived, head (loop times)
+        self.bodies: list[dict] = []  # the request bodies, in order
+        self.peers: set = set()  # the gateway's connections, by (host, port)
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -134,6 +143,8 @@ class FakeEngine:
     async def answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests += 1
+        self.bodies.append(body)
+        self.peers.add(request.transport.get_extra_info("peername"))
         loop = asyncio.get_running_loop()
         entry = {
             "user": body.get("user"),
@@ -141,6 +152,9 @@ class FakeEngine:
             "arrived": loop.time(),
         }
         self.log.append(entry)
+        if self.fault == "drop":
+            request.transport.abort()
+            return web.Response()
         if self.gate is not None:
             await self.gate.wait()
         await self._pause()
@@ -152,6 +166,9 @@ class FakeEngine:
         for n in range(3):
             await resp.write(f'data: {{"engine": "{self.engine_id}", "n": {n}}}\n\n'.encode())
             await self._pause()
+        if self.fault == "die":
+            request.transport.abort()
+            return resp
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -180,6 +197,7 @@ async def gateway_setup(
     conductor_delay: Callable[[], float] = no_delay,
     engine_delay: Callable[[], float] = no_delay,
     plan_stream: bool = True,
+    hit_blocks: int = 0,
     api_keys: str = "acme=k-acme",
     key: str = "k-acme",
     **config,
@@ -191,6 +209,7 @@ async def gateway_setup(
         stream=plan_stream,
         delay=conductor_delay,
     )
+    conductor.hit_blocks = hit_blocks
     server = grpc.aio.server()
     conductor_pb2_grpc.add_ConductorServicer_to_server(conductor, server)
     port = server.add_insecure_port("127.0.0.1:0")
