@@ -12,8 +12,8 @@
 - scripts/check_deploy.sh validates cert-manager's kinds and refuses unknown kinds;
 - live: k8s/etcd-auth.sh, run as the compose file runs it against an etcd started with
   the compose file's flags, gives each role exactly `quillcache up`'s permissions; the
-  compose healthchecks pass against TLS processes; with a Docker engine (none on these
-  machines: the test then skips) the image makes certificates and serves with them.
+  compose healthchecks pass against TLS processes. The image and the compose stack for
+  real: tests/e2e/test_compose.py.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def test_compose_services_run_with_tls_and_never_insecure() -> None:
 
 def test_compose_etcd_serves_tls_with_client_cert_auth() -> None:
     etcd = load_compose()["services"]["etcd"]
-    flags = etcd["command"][1:]
+    flags = etcd["command"]
     assert "--client-cert-auth" in flags and "--peer-client-cert-auth" in flags
     options = dict(f.split("=", 1) for f in flags if "=" in f)
     for prefix in ("--", "--peer-"):
@@ -285,14 +285,19 @@ def test_compose_etcd_serves_tls_with_client_cert_auth() -> None:
     assert {"--cert=/certs/operator.pem", "--key=/certs/operator-key.pem"} <= set(test)
 
 
+def etcd_auth_script(compose: dict) -> Path:
+    """The host file `etcd-auth` mounts as /etcd-auth.sh (a read-only bind mount)."""
+    (mount,) = [v for v in compose["services"]["etcd-auth"]["volumes"] if ":/etcd-auth.sh" in v]
+    source, target, mode = mount.split(":")
+    assert (target, mode) == ("/etcd-auth.sh", "ro")
+    return (ROOT / source).resolve()
+
+
 def test_compose_etcd_auth_runs_the_k8s_script_as_root() -> None:
     compose = load_compose()
     auth = compose["services"]["etcd-auth"]
     assert auth["entrypoint"] == ["sh", "/etcd-auth.sh"]
-    (config,) = auth["configs"]
-    assert config["target"] == "/etcd-auth.sh"
-    script = (ROOT / compose["configs"][config["source"]]["file"]).resolve()
-    assert script == K8S / "etcd-auth.sh"
+    assert etcd_auth_script(compose) == (K8S / "etcd-auth.sh").resolve()
     assert compose_env(auth) == {
         "ETCDCTL_API": "3",
         "ETCDCTL_ENDPOINTS": "https://etcd:2379",
@@ -341,7 +346,9 @@ def test_compose_etcd_and_etcd_auth_against_a_real_etcd(
     client, peer = free_port(), free_port()
 
     def local(arg: str) -> str:
-        arg = arg.replace("/certs/", f"{compose_certs}/").replace("/etcd-data", str(tmp_path))
+        arg = arg.replace("/certs/", f"{compose_certs}/").replace(
+            "/var/lib/quillcache/etcd", str(tmp_path)
+        )
         for host in ("0.0.0.0", "etcd", "127.0.0.1"):
             arg = arg.replace(f"{host}:2379", f"127.0.0.1:{client}")
             arg = arg.replace(f"{host}:2380", f"127.0.0.1:{peer}")
@@ -350,10 +357,10 @@ def test_compose_etcd_and_etcd_auth_against_a_real_etcd(
     etcdctl = find_etcd_binary("etcdctl")
     bare = {k: v for k, v in os.environ.items() if not k.startswith("ETCDCTL_")}
     command = compose["services"]["etcd"]["command"]
-    argv = [find_etcd_binary("etcd"), *map(local, command[1:])]
+    argv = [find_etcd_binary("etcd"), *map(local, command)]  # entrypoint: etcd
     health = [etcdctl, *map(local, compose["services"]["etcd"]["healthcheck"]["test"][2:])]
     auth = compose["services"]["etcd-auth"]
-    script = ROOT / compose["configs"][auth["configs"][0]["source"]]["file"]
+    script = etcd_auth_script(compose)
     auth_env = {k: local(v) for k, v in compose_env(auth).items()}
     path = f"{Path(etcdctl).parent}{os.pathsep}{os.environ['PATH']}"
     auth_env = {**bare, **auth_env, "PATH": path, "ETCD_AUTH_TRIES": "15"}
@@ -657,40 +664,4 @@ def test_k8s_network_policies_deny_by_default_then_allow_the_matrix(k8s_objects)
     )
 
 
-# --- the image (needs a Docker engine) --------------------------------------------
-
-
-def test_image_builds_and_serves_with_docker() -> None:
-    """Needs a Docker engine: skipped here (these machines have none). The image makes
-    its certificates in /certs, serves a conductor with them and passes the compose
-    healthcheck."""
-    docker = pytest.importorskip("docker", reason="the docker SDK is not installed")
-    pytest.importorskip("testcontainers", reason="testcontainers is not installed")
-    try:
-        docker.from_env().ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means no engine to talk to
-        pytest.skip(
-            f"no Docker engine reachable ({type(exc).__name__}): the image build "
-            "and a container run are not tested on this machine"
-        )
-    from testcontainers.core.container import DockerContainer
-    from testcontainers.core.image import DockerImage
-    from testcontainers.core.wait_strategies import LogMessageWaitStrategy
-
-    check = load_compose()["services"]["conductor"]["healthcheck"]["test"][1:]
-    certs = " ".join(load_compose()["services"]["certs"]["command"])
-    with DockerImage(path=str(ROOT), tag="quillcache:deploy-test") as image:
-        container = (
-            DockerContainer(str(image), entrypoint="sh")
-            .with_command(["-c", f"quillcache {certs} && exec quillcache conductor"])
-            .with_env("QC_TLS_DIR", "/certs")
-            .with_env("QC_PORT", "50051")
-            .with_env("QC_METRICS_PORT", "9101")
-            .with_exposed_ports(50051)
-            .waiting_for(LogMessageWaitStrategy("READY conductor").with_startup_timeout(120))
-        )
-        with container:
-            result = container.exec(check)
-            assert result.exit_code == 0, result.output.decode("utf-8", "replace")
-            etcd = container.exec(["etcd", "--version"])
-            assert etcd.exit_code == 0 and b"etcd Version: 3.5" in etcd.output
+# The image built and the compose stack served for real: tests/e2e/test_compose.py.
