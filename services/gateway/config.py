@@ -73,6 +73,22 @@ class GatewayConfig(TlsSettings):
         "send Plan and Finish over the conductor's plan port when it has one "
         "(false = always over the gRPC PlanStream)",
     )
+    plan_fallback: bool = opt(
+        True,
+        "while the conductor is unreachable (down, restarting, hung), route each request "
+        "to an engine its last Stats listed for the model, by a consistent hash of the "
+        "prompt's first block, without a reservation (false = answer 503)",
+    )
+    plan_fallback_timeout_s: float = opt(
+        0.5,
+        "with --plan-fallback: the longest a request waits for its Plan before the gateway "
+        "routes it itself (what a hung conductor costs a request)",
+    )
+    plan_fallback_retry_s: float = opt(
+        0.5,
+        "with --plan-fallback: after the conductor failed, it is asked again at most this "
+        "often; requests are routed by the gateway meanwhile",
+    )
     finish_hold_ms: float = opt(
         20.0,
         "a Finish waits up to this long while other requests wait for their first byte "
@@ -106,6 +122,10 @@ class GatewayConfig(TlsSettings):
         if self.upstream_idle_timeout_s <= 0 or self.finish_hold_ms < 0:
             raise InvalidArgument(
                 "--upstream-idle-timeout-s must be positive, --finish-hold-ms >= 0"
+            )
+        if self.plan_fallback_timeout_s <= 0 or self.plan_fallback_retry_s <= 0:
+            raise InvalidArgument(
+                "--plan-fallback-timeout-s and --plan-fallback-retry-s must be positive"
             )
         parse_pairs(self.api_keys, "--api-keys")
         parse_pairs(self.cache_salts, "--cache-salts")

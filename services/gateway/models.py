@@ -1,8 +1,10 @@
 """What the gateway knows of the models its engines serve, and how it tokenizes for them.
 
 From the conductor's Stats (at most once a second; a known model never waits for a
-refresh): which models live engines serve, the tokenizer their registry records name
-(the identity's), their base URLs, and the conductor's index block size. For a model it
+refresh, and a failed refresh is not tried again for a second): which models live
+engines serve, the tokenizer their registry records name (the identity's), their ids
+and base URLs (what the gateway routes to itself while the conductor is unreachable:
+fallback.py), and the conductor's index block size. For a model it
 finds the local tokenizer whose ids are the engine's, or has an engine tokenize
 (vLLM's `POST /tokenize`) when there is none here.
 """
@@ -68,15 +70,33 @@ class ModelCatalog:
         # model -> the tokenizer its engines' records name ("" = the model's own)
         self._models: tuple[float, dict[str, str]] = (-MODELS_TTL_S, {})
         self._refresh: asyncio.Task | None = None
-        self._model_urls: dict[str, list[str]] = {}
+        self._retry_at = 0.0  # after a failed fetch, no background refresh until then
+        # model -> its engines as (engine id, base URL), in Stats' order
+        self._model_engines: dict[str, list[tuple[str, str]]] = {}
         # Record tokenizer id -> its local files (None: ask an engine's /tokenize).
         self._record_tokenizers: dict[str, Tokenizer | None] = {}
         self._turn = itertools.count()
 
-    def set_served(self, models: dict[str, str], urls: dict[str, list[str]] | None = None) -> None:
-        """As if the conductor had just listed these (tests, and the fetch below)."""
-        self._model_urls = urls or {}
+    def set_served(
+        self, models: dict[str, str], urls: dict[str, list[str | tuple[str, str]]] | None = None
+    ) -> None:
+        """As if the conductor had just listed these (tests, and the fetch below).
+
+        `urls` lists each model's engines as (engine id, base URL), or as bare base URLs
+        (the URL then stands for the id too)."""
+        self._model_engines = {
+            model: [e if isinstance(e, tuple) else (e, e) for e in engines]
+            for model, engines in (urls or {}).items()
+        }
         self._models = (time.monotonic(), models)
+
+    def engines_for(self, model: str) -> list[tuple[str, str]]:
+        """(engine id, base URL) of the engines Stats last listed for `model`, and of those
+        serving any model."""
+        found = self._model_engines.get(model, [])
+        if model:
+            found = found + [e for e in self._model_engines.get("", []) if e not in found]
+        return found
 
     async def served_models(self) -> dict[str, str]:
         """Models the live engines serve ("" present = some engine serves any model).
@@ -95,6 +115,7 @@ class ModelCatalog:
         try:
             stats = await self._stats().Stats(conductor_pb2.StatsRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
+            self._retry_at = time.monotonic() + MODELS_TTL_S
             raise ApiError(
                 503, f"conductor unavailable: {exc.details()}", type_="service_unavailable"
             ) from None
@@ -102,11 +123,12 @@ class ModelCatalog:
             logger.info("conductor's index blocks are %d tokens: hashing so", stats.block_tokens)
             self.block_size = stats.block_tokens
         models: dict[str, str] = {}
-        urls: dict[str, list[str]] = {}
+        urls: dict[str, list[str | tuple[str, str]]] = {}
         for engine in stats.engines:  # the first engine's record names the model's tokenizer
             models.setdefault(engine.model, engine.tokenizer)
             if engine.base_url:
-                urls.setdefault(engine.model, []).append(engine.base_url)
+                pair = (engine.engine_id or engine.base_url, engine.base_url)
+                urls.setdefault(engine.model, []).append(pair)
         self.set_served(models, urls)
         return models
 
@@ -115,8 +137,11 @@ class ModelCatalog:
         None when no engine serves it; a known model does not wait for a refresh."""
         fetched_at, models = self._models
         if model in models or "" in models:
-            if time.monotonic() - fetched_at >= MODELS_TTL_S and (
-                self._refresh is None or self._refresh.done()
+            now = time.monotonic()
+            if (
+                now - fetched_at >= MODELS_TTL_S
+                and now >= self._retry_at
+                and (self._refresh is None or self._refresh.done())
             ):
                 task = asyncio.get_running_loop().create_task(self._fetch())
                 task.add_done_callback(_ignore_result)
@@ -155,7 +180,8 @@ class ModelCatalog:
 
     async def engine_tokens(self, model: str, payload: dict, kind: str) -> list[int]:
         """The prompt ids from an engine serving `model` (vLLM's POST /tokenize)."""
-        urls = self._model_urls.get(model) or self._model_urls.get("") or []
+        engines = self._model_engines
+        urls = [url for _, url in engines.get(model) or engines.get("") or []]
         if not urls:
             raise ApiError(
                 503, f"no engine to tokenize for model {model!r}", type_="service_unavailable"

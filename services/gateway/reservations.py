@@ -6,7 +6,9 @@ it holds in `OpenPlans` from the moment Plan returns until their Finish is queue
 (`take` says whether it still has to be), so a catch-all on each exit path can finish
 what the usual paths did not; and a Plan still in flight when its client leaves is
 awaited in its own task (`shielded`), so the reservation it returns is cancelled
-as soon as it arrives instead of being left to expire at the conductor.
+as soon as it arrives instead of being left to expire at the conductor; so is one
+that comes after the gateway stopped waiting for it and routed the request itself
+(fallback.py).
 """
 
 from __future__ import annotations
@@ -54,13 +56,19 @@ class OpenPlans:
         )
 
 
-async def shielded(call: Awaitable[T], orphaned: Callable[[T], None]) -> T:
-    """`await call` in its own task; if the caller is cancelled first, the result (when
-    it comes, if it does) goes to `orphaned`."""
+async def shielded(
+    call: Awaitable[T], orphaned: Callable[[T], None], timeout_s: float | None = None
+) -> T:
+    """`await call` in its own task; if the caller is cancelled first, or stops waiting
+    after `timeout_s` (TimeoutError), the result (when it comes, if it does) goes to
+    `orphaned`."""
     task = asyncio.ensure_future(call)
     try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
+        if timeout_s is None:
+            return await asyncio.shield(task)
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(task)
+    except (asyncio.CancelledError, TimeoutError):
         task.add_done_callback(lambda done: _orphan(done, orphaned))
         raise
 

@@ -44,6 +44,7 @@ from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_gateway.conductor_calls import ConductorCalls, FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.errors import ApiError, from_domain, response
+from quillcache_gateway.fallback import PLAN_HEADER, SKIP, PlanFallback, is_fallback
 from quillcache_gateway.limits import TenantLimiter
 from quillcache_gateway.models import ModelCatalog
 from quillcache_gateway.reservations import OpenPlans, early_outcome, shielded
@@ -59,6 +60,10 @@ ERROR = conductor_pb2.FinishRequest.ERROR
 CANCELLED = conductor_pb2.FinishRequest.CANCELLED
 DONE_EVENT = b"data: [DONE]\n\n"
 MAX_IDENTITIES = 4096
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +164,13 @@ class Gateway:
             "gateway_finish_dropped_total", "Finish calls dropped because too many were queued"
         )
         self.limits = TenantLimiter(config.limits_by_tenant(), config.default_limit(), m)
+        self.fallback = PlanFallback(
+            self.catalog,
+            m,
+            enabled=config.plan_fallback,
+            timeout_s=min(config.plan_fallback_timeout_s, config.plan_timeout_s),
+            retry_s=config.plan_fallback_retry_s,
+        )
         self.open_plans = OpenPlans(m, lambda finish: self._finishes.submit(finish))
         self.conductor: ConductorCalls | None = None
         self._stats: conductor_pb2_grpc.ConductorStub | None = None
@@ -181,7 +193,8 @@ class Gateway:
     async def start(self) -> None:
         cfg = self.config
         address = cfg.conductor or await self._find_conductor()
-        self._channel = grpc_channel(address, self.tls)
+        # Reconnect soon after the conductor is back (gRPC's backoff grows to 2 minutes).
+        self._channel = grpc_channel(address, self.tls, RECONNECT_OPTIONS)
         self.conductor = ConductorCalls(
             self._channel, use_plan_port=cfg.use_plan_port, tls=self.tls
         )
@@ -398,7 +411,12 @@ class Gateway:
         return found
 
     async def _plan(self, call: _Call, excluded: list[str]):
+        """The conductor's plan; while it is unreachable, the gateway's own (fallback.py)."""
         cfg = self.config
+        fallback = self.fallback
+        turn = fallback.turn()
+        if turn == SKIP:
+            return fallback.route(call, excluded, "circuit_open")
         started = time.perf_counter()
         request = conductor_pb2.PlanRequest(
             request_id=call.request_id,
@@ -414,16 +432,27 @@ class Gateway:
             exclude_engines=excluded,
         )
         try:
-            # In its own task: if the client leaves first, the plan's reservation is
-            # cancelled when it comes (reservations.py).
+            # In its own task: if the client leaves first, or the gateway stops waiting,
+            # the plan's reservation is cancelled when it comes (reservations.py).
             plan = await shielded(
-                self.conductor.plan(request, cfg.plan_timeout_s), self.open_plans.orphaned
+                self.conductor.plan(request, cfg.plan_timeout_s),
+                self.open_plans.orphaned,
+                fallback.timeout_s,
             )
-        except grpc.aio.AioRpcError as exc:
-            raise from_domain(error_from_status(exc.code(), exc.details() or "")) from None
+        except Exception as exc:
+            reason = fallback.failed(exc, turn)
+            if reason is not None:
+                return fallback.route(call, excluded, reason, exc)
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise from_domain(error_from_status(exc.code(), exc.details() or "")) from None
+            raise
+        except BaseException:
+            fallback.abandoned(turn)
+            raise
         finally:
             self.plan_sum.inc(time.perf_counter() - started)
             self.plan_count.inc()
+        fallback.answered(turn)
         self.open_plans.add(plan)
         return plan
 
@@ -440,15 +469,15 @@ class Gateway:
             plan, upstream = await self._open_upstream(call, request.path)
         finally:
             self._finishes.unhold()
-        headers = {
-            "x-quillcache-request-id": request_id,
-            "x-quillcache-engine": plan.engine_id,
-            "x-quillcache-hit-blocks": str(plan.hit_blocks),
-            "x-quillcache-fetch-blocks": str(plan.fetch_blocks),
-            "x-quillcache-recompute-blocks": str(plan.recompute_blocks),
-            "x-quillcache-est-ttft-ms": f"{plan.est_ttft_ms:.3f}",
-            "x-quillcache-plan-us": str(plan.plan_us),
-        }
+        headers = {"x-quillcache-request-id": request_id, "x-quillcache-engine": plan.engine_id}
+        if is_fallback(plan):  # the gateway chose the engine: no reservation, no plan's numbers
+            headers[PLAN_HEADER] = "fallback"
+        else:
+            headers["x-quillcache-hit-blocks"] = str(plan.hit_blocks)
+            headers["x-quillcache-fetch-blocks"] = str(plan.fetch_blocks)
+            headers["x-quillcache-recompute-blocks"] = str(plan.recompute_blocks)
+            headers["x-quillcache-est-ttft-ms"] = f"{plan.est_ttft_ms:.3f}"
+            headers["x-quillcache-plan-us"] = str(plan.plan_us)
         try:
             if upstream.status != 200 or not job.stream:
                 return await self._whole(request, upstream, plan, headers, call)

@@ -616,3 +616,34 @@ def test_engines_with_32_and_16_token_blocks_in_one_fleet_both_get_their_hits(tm
             assert int(first.headers["x-quillcache-hit-blocks"]) == expected, (size, tokens)
     finally:
         lc.stop()
+
+
+def test_with_the_conductor_killed_the_gateway_routes_every_request_itself(tmp_path):
+    """kill -9 of the conductor: the gateway routes by a consistent hash of each prompt's
+    first block over the engines it last learnt from Stats; no request fails."""
+    lc = LocalCluster(tmp_path, time_scale=0.02, log=lambda *_: None)
+    endpoints = lc.start()
+    try:
+        client = client_for(endpoints)
+        headers, _, _ = chat(client, "before the kill", system="short system prompt")
+        assert "x-quillcache-plan" not in headers and "x-quillcache-hit-blocks" in headers
+        conductor = next(c for c in lc.children if c.name == "conductor")
+        conductor.proc.send_signal(signal.SIGKILL)
+        conductor.proc.wait(timeout=5)
+        started = time.monotonic()
+        failures, engines = [], {}
+        for n in range(20):
+            system = f"system prompt number {n % 5} of the conductor-less hour"
+            try:
+                headers, _, text = chat(client, f"question {n}", system=system)
+            except Exception as exc:  # noqa: BLE001 - counted and shown below
+                failures.append(exc)
+                continue
+            assert headers["x-quillcache-plan"] == "fallback" and text, headers
+            engines.setdefault(system, set()).add(headers["x-quillcache-engine"])
+        assert failures == [], failures[:3]
+        assert all(len(chosen) == 1 for chosen in engines.values()), engines  # same prefix
+        assert set().union(*engines.values()) <= {"engine-0", "engine-1"}
+        assert time.monotonic() - started < 30, "nothing hangs"
+    finally:
+        lc.stop()

@@ -51,6 +51,9 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
         self.planned_at: dict[str, float] = {}  # request id -> loop time its plan went out
         self.stream_calls = 0  # the calls made over PlanStream
         self.hit_blocks = 0  # of every plan: the prompt's blocks the engine has cached
+        # When set, every Plan is refused with this (code, message), as the conductor
+        # answers a mistake (INVALID_ARGUMENT, ...) or having no engine (UNAVAILABLE).
+        self.refuse: tuple[grpc.StatusCode, str] | None = None
 
     def plan(self, request: conductor_pb2.PlanRequest) -> conductor_pb2.PlanResponse:
         self.plans.append(request)
@@ -77,6 +80,8 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
     async def Plan(self, request, context):
         # The reservation is made at once; the answer takes `delay()` to arrive (a
         # caller that gives up meanwhile leaves it open, as with a real conductor).
+        if self.refuse is not None:
+            await context.abort(*self.refuse)
         reply = self.plan(request)
         wait = self.delay()
         if wait:
@@ -90,8 +95,8 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
     async def Stats(self, request, context):
         return conductor_pb2.StatsResponse(
             engines=[
-                conductor_pb2.EngineStats(engine_id=e, model=MODEL, tokenizer=TOKENIZER)
-                for e, _ in self.engines
+                conductor_pb2.EngineStats(engine_id=e, base_url=u, model=MODEL, tokenizer=TOKENIZER)
+                for e, u in self.engines
             ]
         )
 
@@ -102,7 +107,11 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
             reply = conductor_pb2.PlanStreamResponse()
             for call in message.calls:
                 self.stream_calls += 1
-                if call.WhichOneof("call") == "plan":
+                if call.WhichOneof("call") == "plan" and self.refuse is not None:
+                    code, message = self.refuse
+                    error = conductor_pb2.CallError(code=code.value[0], message=message)
+                    reply.results.add(call_id=call.call_id, error=error)
+                elif call.WhichOneof("call") == "plan":
                     reply.results.add(call_id=call.call_id, plan=self.plan(call.plan))
                 else:
                     reply.results.add(call_id=call.call_id, finish=self.finish(call.finish))
@@ -184,10 +193,32 @@ class Setup:
     conductor: FakeConductor
     engines: list[FakeEngine]
     session: aiohttp.ClientSession
+    server: grpc.aio.Server | None = None  # the conductor's; None while it is stopped
+    conductor_port: int = 0
 
     async def metrics(self) -> str:
         async with self.session.get(self.url + "/metrics") as reply:
             return await reply.text()
+
+    async def stop_conductor(self) -> None:
+        """The conductor goes away (its port refuses connections) until started again."""
+        server, self.server = self.server, None
+        if server is not None:
+            await server.stop(None)
+
+    async def start_conductor(self) -> None:
+        """The same conductor (what it recorded is kept) back on the same port."""
+        if self.server is None:
+            self.server, _ = await _serve_conductor(self.conductor, self.conductor_port)
+
+
+async def _serve_conductor(conductor: FakeConductor, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    conductor_pb2_grpc.add_ConductorServicer_to_server(conductor, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    assert bound, f"port {port} could not be bound"
+    await server.start()
+    return server, bound
 
 
 @contextlib.asynccontextmanager
@@ -210,22 +241,22 @@ async def gateway_setup(
         delay=conductor_delay,
     )
     conductor.hit_blocks = hit_blocks
-    server = grpc.aio.server()
-    conductor_pb2_grpc.add_ConductorServicer_to_server(conductor, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server, port = await _serve_conductor(conductor)
     settings = {"finish_hold_ms": 0, **config}
     if "insecure" in {f.name for f in dataclasses.fields(GatewayConfig)}:
         settings.setdefault("insecure", True)
     gateway = Gateway(GatewayConfig(conductor=f"127.0.0.1:{port}", api_keys=api_keys, **settings))
     await gateway.start()
     session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"})
+    setup = Setup(
+        f"http://127.0.0.1:{gateway.port}", gateway, conductor, engines, session, server, port
+    )
     try:
-        yield Setup(f"http://127.0.0.1:{gateway.port}", gateway, conductor, engines, session)
+        yield setup
     finally:
         await session.close()
         await gateway.stop()
-        await server.stop(None)
+        await setup.stop_conductor()
         for engine in engines:
             await engine.stop()
 
