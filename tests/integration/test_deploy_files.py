@@ -191,7 +191,12 @@ def containers(objects: list[dict]):
 
 
 def qc_command(container: dict) -> str | None:
-    if not container["image"].startswith("quillcache"):
+    """The `quillcache` command a container runs (None for the image's etcd, or another
+    image)."""
+    if not container["image"].startswith("quillcache") or container.get("command", [""])[0] in (
+        "etcd",
+        "etcdctl",
+    ):
         return None
     return (container.get("args") or container.get("command"))[0]
 
