@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.index import BACKENDS
 from quillcache_core.process.settings import opt
 from quillcache_core.routing.references import POLICY_NAMES
 from quillcache_core.security.tls import TlsSettings
@@ -26,8 +27,14 @@ class ConductorConfig(TlsSettings):
         "memory", "NodeRegistry: 'memory' or an etcd URL such as http://127.0.0.1:2379"
     )
     lease_ttl_s: float = opt(3.0, "lease TTL of this conductor's own registry record")
-    index_backend: str = opt("memory", "residency index backend", choices=("memory", "lmdb"))
-    index_path: str = opt("", "directory of the lmdb index (required with --index-backend lmdb)")
+    index_backend: str = opt(
+        "memory",
+        "residency index backend (the persistent ones are served from an in-memory mirror)",
+        choices=BACKENDS,
+    )
+    index_path: str = opt(
+        "", "directory of a persistent index (required with any --index-backend but memory)"
+    )
     policy: str = opt("quillcache", "routing policy", choices=POLICY_NAMES)
     seed_queue_cost: bool = opt(
         False,
@@ -63,8 +70,10 @@ class ConductorConfig(TlsSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.index_backend == "lmdb" and not self.index_path:
-            raise InvalidArgument("--index-path is required with --index-backend lmdb")
+        if self.index_backend != "memory" and not self.index_path:
+            raise InvalidArgument(
+                f"--index-path is required with --index-backend {self.index_backend}"
+            )
         if self.reservation_ttl_s <= 0:
             raise InvalidArgument("--reservation-ttl-s must be positive")
         if self.lease_ttl_s <= 0:
