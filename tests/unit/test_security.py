@@ -77,3 +77,15 @@ def test_a_tenants_salt_is_keyed_never_its_name():
     assert acme != tenant_salt(b"1" * 64, "acme"), "another cluster's secret, other keys"
     with pytest.raises(ValueError):
         tenant_salt(b"", "acme")
+
+
+def test_every_method_of_our_services_has_its_roles():
+    """A new RPC without a rule would be refused to everyone: list it in RULES."""
+    from quillcache.v1 import conductor_pb2, store_pb2, transfer_pb2
+    from quillcache_core.security.access import RULES
+
+    for module in (conductor_pb2, store_pb2, transfer_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                name = f"/{service.full_name}/{method.name}"
+                assert RULES.get(name), f"{name} has no allowed roles"

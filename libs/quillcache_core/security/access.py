@@ -2,8 +2,9 @@
 
 `RoleGuard` is a server interceptor: a call from a role not in its method's set is
 refused with PERMISSION_DENIED before the handler runs, and counted by method and
-role. Methods not listed (health checks, reflection) are open to any client that
-got past mutual TLS, that is, any certificate of the cluster's CA.
+role. A QuillCache method missing from RULES is refused to everyone (fail closed);
+other services' methods (health checks, reflection) are open to any client that got
+past mutual TLS, that is, any certificate of the cluster's CA.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class RoleGuard(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         handler = await continuation(handler_call_details)
         allowed = self.rules.get(method)
+        if allowed is None and method.startswith("/quillcache."):
+            allowed = frozenset()  # a method of ours nobody listed: closed, not open
         if handler is None or allowed is None:
             return handler
         cached = self._handlers.get(method)
