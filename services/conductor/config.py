@@ -62,6 +62,13 @@ class ConductorConfig(TlsSettings):
         "the registry no longer lists (they left while the conductor was down); "
         "0 = keep it",
     )
+    node_leave_grace_s: float = opt(
+        -1.0,
+        "keep the residency of an engine or store whose registry record went (its lease "
+        "ran out) this long, not routing to it, in case it registers again with the same "
+        "start time: a lease lost in an etcd stall loses nothing "
+        "(-1 = 2 x --lease-ttl-s + 1; 0 = drop it at once)",
+    )
     kv_events: bool = opt(
         True, "subscribe to engines' ZMQ KV event publishers found in the registry"
     )
@@ -80,6 +87,8 @@ class ConductorConfig(TlsSettings):
             raise InvalidArgument("--lease-ttl-s must be positive")
         if self.departed_sweep_s < 0:
             raise InvalidArgument("--departed-sweep-s must be >= 0")
+        if self.node_leave_grace_s < 0 and self.node_leave_grace_s != -1:
+            raise InvalidArgument("--node-leave-grace-s must be >= 0, or -1 for the default")
         if self.temperature < 0:
             raise InvalidArgument("--temperature must be >= 0")
         if self.block_bytes <= 0 or self.max_blocks_per_request <= 0 or self.block_tokens <= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -19,7 +20,8 @@ from quillcache_core.index import open_index
 from quillcache_core.model import CostModel
 from quillcache_core.process.heap import HeapSettler
 from quillcache_core.process.metrics import MetricsRegistry
-from quillcache_core.registry import NodeRecord, open_registry
+from quillcache_core.registry import NodeEvent, NodeRecord, open_registry
+from quillcache_core.registry.records import LEAVE
 from quillcache_core.routing.references import make_policy
 from quillcache_core.rpc.plan_port import PlanPortServer
 from quillcache_core.rpc.server import (
@@ -76,6 +78,13 @@ class ConductorServer:
         self._tasks: list[asyncio.Task] = []
         self.engines_seen = asyncio.Event()
         self.tick_failures = 0
+        # A node whose record goes keeps its residency this long (it may be back: a
+        # lease lost in an etcd stall), unrouted; right after a registry outage it also
+        # stays routable for `leave_hold_s` (see ConductorState.node_left).
+        grace = config.node_leave_grace_s
+        self.leave_grace_s = grace if grace >= 0 else 2 * config.lease_ttl_s + 1
+        self.leave_hold_s = max(1.0, config.lease_ttl_s)
+        self.outage_window_s = max(2.0, config.lease_ttl_s)
 
     def _register_metrics(self) -> None:
         state = self.state
@@ -106,6 +115,28 @@ class ConductorServer:
             "restart_records_dropped_total",
             "residency records dropped because their engine registered a new run",
             read=lambda: [((), state.counters.restart_records_dropped)],
+        )
+        m.gauge(
+            "nodes_in_leave_grace",
+            "engines and stores whose registry record went, their residency kept in case "
+            "they register again (held: still routable, right after a registry outage)",
+            ["kind", "held"],
+            read=lambda: [
+                ((kind, str(held).lower()), n)
+                for (kind, held), n in collections.Counter(
+                    (d.kind, d.held) for d in state.departures.values()
+                ).items()
+            ],
+        )
+        m.gauge(
+            "node_leaves_total",
+            "registry leaves of engines and stores by outcome: returned (registered again "
+            "within the grace, same run or not), dropped (not back within it)",
+            ["outcome"],
+            read=lambda: [
+                (("returned",), state.counters.nodes_returned),
+                (("dropped",), state.counters.nodes_dropped_after_grace),
+            ],
         )
         m.gauge(
             "index_write_failures_total",
@@ -238,15 +269,33 @@ class ConductorServer:
         )
 
     async def _watch_registry(self) -> None:
+        """Apply the fleet's changes. The registry's own watch rides out etcd outages
+        (it re-lists and sends the differences); should it fail anyway, the view is
+        kept as it is until the registry answers, then reconciled."""
+        restarted = False
         while True:
             try:
+                if restarted:
+                    await self._reconcile()
+                restarted = True
                 async for event in self.registry.watch():
                     self._apply_node_event(event)
             except asyncio.CancelledError:
                 raise
             except Exception:
-                logger.exception("registry watch failed; restarting it")
+                logger.exception("registry watch failed; the fleet view is kept, retrying")
                 await asyncio.sleep(0.5)
+
+    async def _reconcile(self) -> None:
+        """After the watch broke: nodes known here that the registry no longer lists
+        leave (with the usual grace); the new watch's snapshot brings the rest."""
+        listed = {(record.kind, record.id) for record in await self.registry.list()}
+        known = [*self.state.engines.values()]
+        gone = [info.record for info in known if ("engine", info.record.id) not in listed]
+        gone += [rec for rec in self.state.stores.values() if ("store", rec.id) not in listed]
+        for record in gone:
+            logger.info("%s %s is no longer registered (reconciled)", record.kind, record.id)
+            self._apply_node_event(NodeEvent(LEAVE, record))
 
     async def _sweep_departed(self, workers: list[str]) -> None:
         """Once, --departed-sweep-s after start (time for restarting nodes to register
@@ -263,19 +312,34 @@ class ConductorServer:
 
     def _apply_node_event(self, event) -> None:
         record = event.record
-        if record.kind == "engine":
-            if event.type == "leave":
-                self.state.engine_left(record.id)
+        if record.kind not in ("engine", "store"):
+            return
+        if event.type == "leave":
+            # Right after etcd failed or stalled a call, a leave is most likely the
+            # outage's (the node's lease ran out while it was alive): the node stays
+            # routable for a moment, as it is about to register again.
+            outage = self.registry.recently_unreachable(self.outage_window_s)
+            dropped = self.state.node_left(
+                record.kind,
+                record.id,
+                grace_s=self.leave_grace_s,
+                hold_s=self.leave_hold_s if outage else 0.0,
+            )
+            if dropped and record.kind == "engine":
                 self.events.engine_left(record.id)
-            else:
-                if self.state.engine_joined(record):
-                    self.events.engine_restarted(record.id)
-                self.events.engine_joined(record)
-        elif record.kind == "store":
-            if event.type == "leave":
-                self.state.store_left(record.id)
-            else:
-                self.state.store_joined(record)
+        elif record.kind == "engine":
+            if self.state.engine_joined(record):
+                self.events.engine_restarted(record.id)
+            self.events.engine_joined(record)
+        else:
+            self.state.store_joined(record)
+
+    def _expire_departures(self) -> None:
+        """Nodes not back within their leave grace lose their residency (and engines
+        their KV event subscription) now."""
+        for kind, node_id in self.state.expire_departures():
+            if kind == "engine":
+                self.events.engine_left(node_id)
 
     async def _tick(self) -> None:
         last_flush = time.monotonic()
@@ -285,6 +349,7 @@ class ConductorServer:
             await asyncio.sleep(TICK_S)
             try:
                 self.state.tick()
+                self._expire_departures()
                 now = time.monotonic()
                 if now - last_flush >= FLUSH_S:
                     last_flush = now

@@ -55,6 +55,21 @@ class EngineInfo:
 
 
 @dataclass(slots=True)
+class Departure:
+    """A node whose registry record went, in its leave grace (`node_left`). While
+    `held` it is still in `engines`/`stores` (routable); else out of them, only its
+    residency records kept until `drop_s`."""
+
+    kind: str
+    record: NodeRecord
+    left_s: float
+    drop_s: float
+    routable_until_s: float
+    held: bool
+    info: EngineInfo | None = None  # an excluded engine's entry, restored if it returns
+
+
+@dataclass(slots=True)
 class Counters:
     plans: int = 0
     finishes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
@@ -64,6 +79,8 @@ class Counters:
     store_events: int = 0
     departed_records_dropped: int = 0
     restart_records_dropped: int = 0
+    nodes_returned: int = 0  # came back within their leave grace (same run)
+    nodes_dropped_after_grace: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +139,8 @@ class ConductorState:
         self.counters = Counters()
         # Engine id -> the registry start time its records were written under.
         self._epochs: dict[str, float] = index.worker_epochs()
+        # (kind, id) -> a node in its leave grace (`node_left`).
+        self.departures: dict[tuple[str, str], Departure] = {}
 
     # --- fleet -------------------------------------------------------------------
 
@@ -131,7 +150,10 @@ class ConductorState:
         before this conductor's restart): the engine restarted with an empty cache, so
         its residency and its reservations' optimistic copies are dropped."""
         self._fleets.clear()
+        departure = self.departures.pop(("engine", record.id), None)
         restarted = self._new_run(record)
+        if departure is not None:
+            self._came_back(departure, record, restarted)
         info = self.engines.get(record.id)
         if info is None:
             state = WorkerState(id=record.id, locality_domain=record.locality_domain)
@@ -183,9 +205,104 @@ class ConductorState:
         )
         return True
 
+    def node_left(
+        self, kind: str, node_id: str, *, grace_s: float = 0.0, hold_s: float = 0.0
+    ) -> bool:
+        """An engine's or store's registry record went away. With `grace_s` <= 0 it is
+        dropped at once (`engine_left`/`store_left`) and this returns True.
+
+        Otherwise its residency stays for `grace_s` s: should it register again with
+        the same start time (the same process, its lease lost in an etcd stall),
+        nothing is lost; else `expire_departures` drops it then. During the grace it
+        is not planned on nor located (it may be dead), but for the first `hold_s` s
+        (< `grace_s`), which the caller gives right after a registry outage: the leave
+        is then most likely the outage's, and the node about to register again."""
+        live = self.engines if kind == "engine" else self.stores if kind == "store" else None
+        if live is None or node_id not in live or (kind, node_id) in self.departures:
+            return False  # not a node we route to, unknown, or already departing
+        if grace_s <= 0:
+            (self.engine_left if kind == "engine" else self.store_left)(node_id)
+            return True
+        now = self.clock()
+        held = 0 < hold_s < grace_s
+        record = live[node_id].record if kind == "engine" else live[node_id]
+        departure = Departure(kind, record, now, now + grace_s, now + hold_s, held)
+        self.departures[(kind, node_id)] = departure
+        if not held:
+            self._exclude(departure)
+        logger.info(
+            "%s %s left the registry: %s; its %d residency records kept for %.1fs unless "
+            "it registers again",
+            kind,
+            node_id,
+            f"held routable for {hold_s:.1f}s (a registry outage just ended)"
+            if held
+            else "no longer routed to",
+            self.index.worker_block_count(node_id),
+            grace_s,
+        )
+        return False
+
+    def _exclude(self, departure: Departure) -> None:
+        """Take a departed node out of plans and locations (its records stay)."""
+        self._fleets.clear()
+        departure.held = False
+        if departure.kind == "engine":
+            departure.info = self.engines.pop(departure.record.id, None)
+            self._update_block_parts()
+        else:
+            self.stores.pop(departure.record.id, None)
+
+    def expire_departures(self) -> list[tuple[str, str]]:
+        """Exclude held nodes whose hold is over; drop those whose grace is over (their
+        residency and reservations, as a leave did at once before). Returns the
+        (kind, id) dropped."""
+        if not self.departures:
+            return []
+        now = self.clock()
+        dropped = []
+        for key, departure in list(self.departures.items()):
+            if departure.held and now >= departure.routable_until_s:
+                self._exclude(departure)
+                logger.info("%s %s is not back: no longer routed to", *key)
+            if now < departure.drop_s:
+                continue
+            logger.info("%s %s did not come back within its leave grace", *key)
+            (self.engine_left if key[0] == "engine" else self.store_left)(key[1])
+            self.counters.nodes_dropped_after_grace += 1
+            dropped.append(key)
+        return dropped
+
+    def _came_back(self, departure: Departure, record: NodeRecord, restarted: bool) -> None:
+        """A departed node registered again within its grace. The same run keeps its
+        residency and load (its requests go on). A new run's records went in
+        `_new_run` (an engine's; a store resends its own), its requests with the old
+        process."""
+        if departure.kind == "engine":
+            if restarted:
+                for res_id in [
+                    r.id for r in self.reservations.values() if r.engine_id == record.id
+                ]:
+                    res = self.reservations.pop(res_id)
+                    self._release(res)
+                    self._forget_optimistic(res)
+            elif departure.info is not None and record.id not in self.engines:
+                self.engines[record.id] = departure.info
+        else:
+            self.stores[record.id] = record
+        self.counters.nodes_returned += 1
+        logger.info(
+            "%s %s registered again after %.2fs: %s",
+            departure.kind,
+            record.id,
+            self.clock() - departure.left_s,
+            "a new run" if restarted else "the same run, its residency kept",
+        )
+
     def engine_left(self, engine_id: str) -> int:
         """Forget an engine: its residency is dropped and no plan names it again."""
         self._fleets.clear()
+        self.departures.pop(("engine", engine_id), None)
         self.engines.pop(engine_id, None)
         self._update_block_parts()
         dropped = self.index.clear_worker(engine_id)
@@ -197,8 +314,9 @@ class ConductorState:
     def drop_departed(self, candidates: Iterable[str], registered: Iterable[str]) -> dict[str, int]:
         """Drop the residency of every candidate worker that is not registered (nor
         known here as an engine or store): nodes that left while a reopened index was
-        not watching. Returns records dropped per worker."""
-        live = {*registered, *self.engines, *self.stores}
+        not watching. Returns records dropped per worker. Nodes in their leave grace
+        are left to it."""
+        live = {*registered, *self.engines, *self.stores, *(key[1] for key in self.departures)}
         dropped: dict[str, int] = {}
         for worker in candidates:
             if worker not in live:
@@ -213,7 +331,10 @@ class ConductorState:
 
     def store_joined(self, record: NodeRecord) -> None:
         self._fleets.clear()
-        if record.id not in self.stores:
+        departure = self.departures.pop(("store", record.id), None)
+        if departure is not None:  # records kept: a restarted store resends its own
+            self._came_back(departure, record, record.start_time_s != departure.record.start_time_s)
+        elif record.id not in self.stores:
             logger.info(
                 "store %s joined (%s, %s)", record.id, record.address, record.locality_domain
             )
@@ -221,6 +342,7 @@ class ConductorState:
 
     def store_left(self, store_id: str) -> int:
         self._fleets.clear()
+        self.departures.pop(("store", store_id), None)
         self.stores.pop(store_id, None)
         dropped = self.index.clear_worker(store_id)
         logger.info("store %s left; dropped %d residency records", store_id, dropped)
@@ -486,9 +608,18 @@ class ConductorState:
                     break
         res.optimistic = []
 
+    def _engine_info(self, engine_id: str) -> EngineInfo | None:
+        """A live engine's entry, or that of an engine excluded during its leave grace
+        (its reservations still release their load)."""
+        info = self.engines.get(engine_id)
+        if info is None and self.departures:
+            departure = self.departures.get(("engine", engine_id))
+            info = departure.info if departure is not None else None
+        return info
+
     def _release_prefill(self, res: Reservation) -> None:
         res.prefill_released = True
-        info = self.engines.get(res.engine_id)
+        info = self._engine_info(res.engine_id)
         if info is not None:
             info.state.queued_prefill_tokens = max(
                 0, info.state.queued_prefill_tokens - res.prefill_tokens
@@ -497,7 +628,7 @@ class ConductorState:
     def _release(self, res: Reservation) -> None:
         if not res.prefill_released:
             self._release_prefill(res)
-        info = self.engines.get(res.engine_id)
+        info = self._engine_info(res.engine_id)
         if info is None:
             return
         state = info.state

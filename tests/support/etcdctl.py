@@ -7,9 +7,13 @@ may do: `root` (the default) anything, `engine` write engine records, `operator`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
+import time
+from collections.abc import Iterator
 
 from quillcache_core.launch.etcd_server import find_etcd_binary
 
@@ -72,3 +76,17 @@ def put_engine(
         json.dumps(record),
         role=role,
     )
+
+
+@contextlib.contextmanager
+def paused(etcd) -> Iterator[float]:
+    """Stall `etcd` (SIGSTOP) for the block, as a hung host or a long GC pause would:
+    its sockets stay open, nothing answers, leases run out. SIGCONT on exit, even on
+    failure. Yields the monotonic time of the stop."""
+    pid = etcd.pid
+    assert pid is not None, "etcd is not running"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        os.kill(pid, signal.SIGCONT)

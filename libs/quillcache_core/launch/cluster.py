@@ -8,6 +8,10 @@ waits until each is healthy (its READY line, then a real gRPC health check or HT
 /health call); prints the endpoints and writes them as JSON to --endpoints-file; on
 Ctrl-C or SIGTERM stops everything in reverse order (SIGTERM, then SIGKILL after a
 grace period). Logs of every process are under <data-dir>/logs/.
+
+Supervised (the default; --no-supervise turns it off): a process that dies is started
+again on the same address, with backoff (0.5 s doubling to 10 s, from 0.5 s again
+after 30 s up), and each restart is logged; see `quillcache_core.launch.supervisor`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from pathlib import Path
 
 from quillcache_core.launch import vllm_engine
 from quillcache_core.launch.etcd_server import EtcdServer
+from quillcache_core.launch.supervisor import Supervisor, pinned_ports
 from quillcache_core.security.certs import make_certs
 from quillcache_core.security.tls import Tls, grpc_channel
 
@@ -50,6 +55,8 @@ class Child:
     env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
     fields: dict[str, str] = field(default_factory=dict)
+    log_offset: int = 0  # where the current run's output starts in the log
+    paused: bool = False  # being restarted by hand: not supervised meanwhile
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -79,6 +86,7 @@ class LocalCluster:
         vllm_model_dir: Path | None = None,
         engine_options: dict[int, dict] | None = None,
         insecure: bool = False,
+        supervise: bool = False,
     ) -> None:
         """`engine_kind` "vllm" starts real vLLM servers from the cached environment
         (`vllm_env`) serving `vllm_model_dir` (default: the tiny model) as `model`.
@@ -87,7 +95,9 @@ class LocalCluster:
         "kv_events_endpoint" (registered instead of the engine's own, e.g. a proxy),
         "connector" (False: no QuillCache KV connector); a sim engine's "sim_args".
         Every port demands mutual TLS with the certificates made in <data_dir>/certs
-        (`quillcache certs`), and etcd its users and roles, unless `insecure`."""
+        (`quillcache certs`), and etcd its users and roles, unless `insecure`.
+        With `supervise`, a process that dies once the cluster is up is restarted on
+        its address (`supervisor`); `self.supervisor.restarts` lists the restarts."""
         if engine_kind not in ("sim", "vllm"):
             raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
         if engines < 1 or stores < 1:
@@ -115,6 +125,8 @@ class LocalCluster:
         # The operator's certificates: what this launcher (and the endpoints file's
         # reader) uses to talk to the cluster; None when insecure.
         self.tls: Tls | None = None
+        self.lock = threading.RLock()  # children and their processes
+        self.supervisor: Supervisor | None = Supervisor(self) if supervise else None
 
     def _security_args(self) -> list[str]:
         return ["--insecure"] if self.insecure else ["--tls-dir", str(self.certs_dir)]
@@ -127,10 +139,13 @@ class LocalCluster:
     def start(self, timeout_s: float = 60.0) -> dict:
         """Start every process; returns the endpoints. Stops what started on failure."""
         try:
-            return self._start(timeout_s)
+            endpoints = self._start(timeout_s)
         except BaseException:
             self.stop()
             raise
+        if self.supervisor is not None:
+            self.supervisor.start()
+        return endpoints
 
     def _start(self, timeout_s: float) -> dict:
         logs = self.data_dir / "logs"
@@ -263,7 +278,8 @@ class LocalCluster:
             self.data_dir / "logs" / f"{name}.log",
         )
         _spawn(child)
-        self.children.append(child)
+        with self.lock:
+            self.children.append(child)
         deadline = time.monotonic() + timeout_s
         while not self._read_ready(child):
             self._check_alive(child)
@@ -272,6 +288,8 @@ class LocalCluster:
                     f"{name} printed no READY line in {timeout_s:.0f}s:\n{child.log_tail()}"
                 )
             time.sleep(0.05)
+        # Every later start (a restart) binds the ports this one reported again.
+        child.argv += pinned_ports(service, child.fields)
         self._wait_healthy(child, deadline, f"after {timeout_s:.0f}s")
         shown = (
             child.fields.get("http")
@@ -338,7 +356,8 @@ class LocalCluster:
         )
         child.fields = {"http": f"{scheme}://127.0.0.1:{port}"}
         _spawn(child)
-        self.children.append(child)
+        with self.lock:
+            self.children.append(child)
         # A cold start takes a minute.
         self._wait_healthy(child, time.monotonic() + max(timeout_s, 300.0), "(vLLM)")
         self.log(f"{name:<10} {child.fields['http']} (vLLM, {served})")
@@ -379,8 +398,9 @@ class LocalCluster:
 
     @staticmethod
     def _read_ready(child: Child) -> bool:
+        """Whether the child's current run printed its READY line (its fields then set)."""
         try:
-            text = child.log_path.read_bytes().decode("utf-8", "replace")
+            text = child.log_path.read_bytes()[child.log_offset :].decode("utf-8", "replace")
         except OSError:
             return False
         match = READY.search(text)
@@ -443,19 +463,41 @@ class LocalCluster:
 
     def restart(self, name: str, timeout_s: float = 300.0, grace_s: float = 10.0) -> Child:
         """Stop one child (SIGTERM, SIGKILL after `grace_s`) and start it again with the
-        same command line; returns once it is healthy again. For children whose ports
-        are on their command line (vLLM servers): the others would take new free ports."""
+        same command line, on the same ports; returns once it is healthy again (not
+        supervised meanwhile)."""
         child = next(c for c in self.children if c.name == name)
-        _terminate(child, grace_s)
-        _spawn(child)
-        self._wait_healthy(child, time.monotonic() + timeout_s, "after a restart")
+        with self.lock:
+            child.paused = True
+        try:
+            _terminate(child, grace_s)
+            self.respawn(child)
+            self._wait_healthy(child, time.monotonic() + timeout_s, "after a restart")
+        finally:
+            with self.lock:
+                child.paused = False
+                if self.supervisor is not None:
+                    self.supervisor.forget(name)
         return child
+
+    def respawn(self, child: Child) -> None:
+        """Start a child that exited again, with its command line (ports pinned)."""
+        _spawn(child)
+
+    def ready(self, child: Child) -> bool:
+        """Whether a (re)started child printed its READY line and is healthy."""
+        if child.service != "vllm" and not self._read_ready(child):
+            return False
+        return self._healthy(child)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every child (newest first), SIGKILL what is left after `grace_s`."""
-        for child in reversed(self.children):
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        with self.lock:
+            children = list(reversed(self.children))
+            self.children.clear()
+        for child in children:
             _terminate(child, grace_s)
-        self.children.clear()
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
@@ -468,6 +510,7 @@ def _spawn(child: Child) -> None:
     """Start the child's command line in its own process group, output appended to its log
     (a vLLM server with its environment variables)."""
     with open(child.log_path, "ab") as log:
+        child.log_offset = log.tell()
         child.proc = subprocess.Popen(
             child.argv,
             stdin=subprocess.DEVNULL,
@@ -533,6 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--lease-ttl-s", type=float, default=3.0, help="registry lease TTL of every node"
     )
     parser.add_argument(
+        "--no-supervise",
+        dest="supervise",
+        action="store_false",
+        help="do not restart processes that die (by default each is started again on "
+        "its address, with backoff, and the restart logged)",
+    )
+    parser.add_argument(
         "--insecure",
         action="store_true",
         help="development only: plaintext everywhere, no certificates, no etcd users, no "
@@ -562,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             model="sim-model" if args.engine == "sim" else "tiny",
             vllm_model_dir=Path(args.model) if args.model else None,
             insecure=args.insecure,
+            supervise=args.supervise,
+            log=lambda *parts: print(*parts, flush=True),
         )
         print(f"starting the local cluster in {data_dir}", flush=True)
         try:
@@ -585,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             print("Ctrl-C stops everything.", flush=True)
             while not stop.wait(1.0):
+                if cluster.supervisor is not None:
+                    continue  # it restarts what dies, and says so
                 for child in cluster.dead_children():
                     print(
                         f"warning: {child.name} exited (code {child.proc.returncode}); "

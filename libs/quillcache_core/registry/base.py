@@ -49,6 +49,14 @@ class NodeRegistry(abc.ABC):
 
         Stops when the registry is closed or the consumer stops iterating."""
 
+    def recently_unreachable(self, within_s: float) -> bool:
+        """Whether the registry's backing store failed or stalled a call of this process
+        within the last `within_s` seconds, or has one stuck now. A "leave" seen then
+        may be the outage's doing (leases ran out while their owners were alive, and
+        they are about to register again): the conductor holds such leaves briefly.
+        Always False for a registry that cannot be unreachable (memory)."""
+        return False
+
     async def stop_keepalive(self, kind: str, id: str) -> None:
         """Fault injection: stop keeping the lease alive without revoking it, as if
         this process had hung or crashed. The node disappears once its TTL runs out."""

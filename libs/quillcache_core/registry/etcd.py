@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -126,9 +127,14 @@ class EtcdRegistry(NodeRegistry):
     ``max(1, ceil(ttl_s))`` (etcd may raise it further to its minimum TTL).
 
     Each registration has its own keepalive task (one LeaseKeepAlive round trip every
-    granted_ttl/3 s). If etcd reports the lease gone (TTL <= 0) or etcd has been
-    unreachable for longer than the TTL, the task grants a new lease and puts the
-    record again, until it succeeds.
+    granted_ttl/3 s). If etcd reports the lease gone (TTL <= 0, or NOT_FOUND) or etcd
+    has been unreachable for longer than the TTL, the task grants a new lease and puts
+    the record again, retrying every 0.5 s until it succeeds: a node whose lease ran
+    out during an etcd stall is back within milliseconds of etcd answering again.
+
+    `recently_unreachable(s)` says whether a call failed, or was answered only after
+    `slow_call_s`, within the last `s` seconds, or is pending for longer than that now:
+    how the conductor tells the leaves an outage causes from nodes dying.
 
     `watch()` lists the prefix (one linearizable read at revision R), emits the
     differences from what the consumer was told (on the first pass: a join per node),
@@ -157,6 +163,7 @@ class EtcdRegistry(NodeRegistry):
         timeout_s: float = 5.0,
         reconnect_backoff_s: float = 0.1,
         max_reconnect_backoff_s: float = 2.0,
+        slow_call_s: float = 0.5,
     ) -> None:
         if isinstance(endpoints, str):
             endpoints = endpoints.split(",")
@@ -190,6 +197,12 @@ class EtcdRegistry(NodeRegistry):
         self._key_locks: dict[NodeKey, asyncio.Lock] = {}  # serialize (de)register per node
         self._watch_tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Outage tracking (`recently_unreachable`): calls in flight by start time, and
+        # when a call last failed or was answered late.
+        self._slow_call_s = slow_call_s
+        self._inflight: dict[int, float] = {}
+        self._call_ids = itertools.count()
+        self._trouble_at = -math.inf
 
     @property
     def endpoints(self) -> list[str]:
@@ -218,6 +231,30 @@ class EtcdRegistry(NodeRegistry):
                 f"TLS as {self._tls.role}" if self._tls is not None else "plaintext",
             )
         return self._client
+
+    @contextlib.contextmanager
+    def _tracked(self) -> Iterator[None]:
+        """Times one etcd call for `recently_unreachable`: a failure (not a refusal) or
+        a late answer marks trouble."""
+        call_id = next(self._call_ids)
+        started = self._inflight[call_id] = time.monotonic()
+        try:
+            yield
+        except BaseException as exc:
+            if isinstance(exc, _ETCD_ERRORS) and not _is_denial(exc):
+                self._trouble_at = time.monotonic()
+            raise
+        else:
+            if time.monotonic() - started > self._slow_call_s:
+                self._trouble_at = time.monotonic()
+        finally:
+            del self._inflight[call_id]
+
+    def recently_unreachable(self, within_s: float) -> bool:
+        now = time.monotonic()
+        if now - self._trouble_at < within_s:
+            return True
+        return any(now - started > self._slow_call_s for started in self._inflight.values())
 
     def _failure(self, what: str, exc: BaseException, key: str = "") -> QuillCacheError:
         """The domain error of a failed etcd call: RegistryAccessDenied when etcd
@@ -277,15 +314,17 @@ class EtcdRegistry(NodeRegistry):
         """Grant a lease and put the record on it. Returns (lease id, granted TTL)."""
         try:
             client = await self._conn()
-            lease = await client.lease.grant(ttl, timeout=self._timeout_s)
+            with self._tracked():
+                lease = await client.lease.grant(ttl, timeout=self._timeout_s)
         except _ETCD_ERRORS as exc:
             raise self._failure("lease grant", exc) from exc
         if reg is not None:
             reg.pending_lease_id = lease.ID
         try:
-            await client.kv.put(
-                record.key, record.to_json(), lease=lease.ID, timeout=self._timeout_s
-            )
+            with self._tracked():
+                await client.kv.put(
+                    record.key, record.to_json(), lease=lease.ID, timeout=self._timeout_s
+                )
         except BaseException as exc:
             if reg is not None:
                 reg.pending_lease_id = None
@@ -301,15 +340,23 @@ class EtcdRegistry(NodeRegistry):
         )
 
     async def _keepalive_once(self, lease_id: int, timeout_s: float) -> int:
-        """One LeaseKeepAlive round trip; returns the TTL etcd reports (<= 0: gone)."""
+        """One LeaseKeepAlive round trip; returns the TTL etcd reports (<= 0: gone).
+
+        etcd answers TTL 0 for a lease it no longer has; a NOT_FOUND status (a proxy,
+        another etcd version) means the same."""
         call = None
         try:
             client = await self._conn()
             call = client.lease.keep_alive(lease_id)
-            async with asyncio.timeout(timeout_s):
-                async for resp in call:
-                    return int(resp.TTL)
+            with self._tracked():
+                async with asyncio.timeout(timeout_s):
+                    async for resp in call:
+                        return int(resp.TTL)
             raise NodeUnavailable("keepalive stream closed without an answer")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return 0
+            raise self._failure("lease keepalive", exc) from exc
         except _ETCD_ERRORS as exc:
             raise self._failure("lease keepalive", exc) from exc
         finally:
@@ -416,9 +463,10 @@ class EtcdRegistry(NodeRegistry):
     async def _range(self, prefix: str) -> Any:
         try:
             client = await self._conn()
-            return await client.kv.get(
-                prefix, range_end=prefix_range_end(prefix), timeout=self._timeout_s
-            )
+            with self._tracked():
+                return await client.kv.get(
+                    prefix, range_end=prefix_range_end(prefix), timeout=self._timeout_s
+                )
         except _ETCD_ERRORS as exc:
             raise self._failure("list", exc, prefix) from exc
 
@@ -432,7 +480,8 @@ class EtcdRegistry(NodeRegistry):
         key = node_key(kind, id)
         try:
             client = await self._conn()
-            resp = await client.kv.get(key, timeout=self._timeout_s)
+            with self._tracked():
+                resp = await client.kv.get(key, timeout=self._timeout_s)
         except _ETCD_ERRORS as exc:
             raise self._failure("get", exc, key) from exc
         if not resp.kvs:
@@ -547,6 +596,8 @@ class EtcdRegistry(NodeRegistry):
                     if event is not None:
                         out.put_nowait(event)
         except _ETCD_ERRORS as exc:
+            if not _is_denial(exc):
+                self._trouble_at = time.monotonic()
             detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
             return f"watch stream failed ({detail})", created
         finally:
