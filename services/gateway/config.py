@@ -14,7 +14,9 @@ from quillcache_gateway.limits import TenantLimit, check_limit, parse_tenant_lim
 class GatewayConfig(TlsSettings):
     host: str = opt("127.0.0.1", "address to bind the HTTP port on")
     port: int = opt(0, "HTTP port (0 = a free port, printed on the READY line)")
-    conductor: str = opt("", "conductor gRPC address host:port ('' = find it in the registry)")
+    conductor: str = opt(
+        "", "conductor gRPC addresses host:port[,host:port] ('' = every one in the registry)"
+    )
     registry: str = opt("memory", "NodeRegistry to find the conductor in: 'memory' or an etcd URL")
     api_keys: str = opt(
         "",

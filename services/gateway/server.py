@@ -26,27 +26,27 @@ from dataclasses import dataclass
 import grpc
 from aiohttp import web
 
-from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_core.errors import InvalidArgument, NodeUnavailable
+from quillcache.v1 import common_pb2, conductor_pb2
+from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.identity.tokenize import (
     request_tokens,
 )
 from quillcache_core.model import CacheTier
 from quillcache_core.process.metrics import MetricsRegistry
-from quillcache_core.registry import open_registry
 from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tenants import tenant_salt
-from quillcache_core.security.tls import grpc_channel, role_of_cert
+from quillcache_core.security.tls import role_of_cert
 from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
 from quillcache_core.wire.plan import pack_hashes
 from quillcache_core.wire.tiers import tier_from_proto
-from quillcache_gateway.conductor_calls import ConductorCalls, FinishQueue
+from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.errors import ApiError, from_domain, response
 from quillcache_gateway.fallback import PLAN_HEADER, SKIP, PlanFallback, is_fallback
 from quillcache_gateway.limits import TenantLimiter
 from quillcache_gateway.models import ModelCatalog
+from quillcache_gateway.replicas import ConductorReplicas
 from quillcache_gateway.reservations import OpenPlans, early_outcome, shielded
 from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamPool
 from quillcache_gateway.validate import check_fields, parse_slo, read_json
@@ -172,10 +172,9 @@ class Gateway:
             retry_s=config.plan_fallback_retry_s,
         )
         self.open_plans = OpenPlans(m, lambda finish: self._finishes.submit(finish))
-        self.conductor: ConductorCalls | None = None
-        self._stats: conductor_pb2_grpc.ConductorStub | None = None
+        self.conductor: ConductorReplicas | None = None
+        self._stats: ConductorReplicas | None = None
         self._finishes: FinishQueue | None = None
-        self._channel: grpc.aio.Channel | None = None
         self._upstream: UpstreamPool | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -192,13 +191,18 @@ class Gateway:
 
     async def start(self) -> None:
         cfg = self.config
-        address = cfg.conductor or await self._find_conductor()
-        # Reconnect soon after the conductor is back (gRPC's backoff grows to 2 minutes).
-        self._channel = grpc_channel(address, self.tls, RECONNECT_OPTIONS)
-        self.conductor = ConductorCalls(
-            self._channel, use_plan_port=cfg.use_plan_port, tls=self.tls
+        # Every conductor replica (replicas.py); channels reconnect soon after one is back
+        # (gRPC's backoff grows to 2 minutes). A hung replica leaves time for the next.
+        self.conductor = ConductorReplicas(
+            cfg.conductor,
+            cfg.registry,
+            self.tls,
+            use_plan_port=cfg.use_plan_port,
+            channel_options=RECONNECT_OPTIONS,
+            attempt_timeout_s=(self.fallback.timeout_s or cfg.plan_timeout_s) / 2,
         )
-        self._stats = conductor_pb2_grpc.ConductorStub(self._channel)
+        await self.conductor.start()
+        self._stats = self.conductor
         self._finishes = FinishQueue(
             self.conductor,
             cfg.plan_timeout_s,
@@ -228,7 +232,9 @@ class Gateway:
         site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=self._ssl_context())
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001
-        logger.info("gateway on %s:%d, conductor %s", cfg.host, self.port, address)
+        logger.info(
+            "gateway on %s:%d, conductors %s", cfg.host, self.port, self.conductor.addresses
+        )
 
     def _ssl_context(self) -> ssl.SSLContext | None:
         """HTTPS with the gateway's certificate. A client certificate is optional: API
@@ -238,20 +244,6 @@ class Gateway:
         ctx = self.tls.server_context()
         ctx.verify_mode = ssl.CERT_OPTIONAL
         return ctx
-
-    async def _find_conductor(self, timeout_s: float = 15.0) -> str:
-        registry = open_registry(self.config.registry, self.tls)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                found = await registry.list("conductor")
-                if found and found[0].address:
-                    return found[0].address
-                if time.monotonic() > deadline:
-                    raise NodeUnavailable(f"no conductor registered in {self.config.registry}")
-                await asyncio.sleep(0.2)
-        finally:
-            await registry.close()
 
     def ready_line(self) -> str:
         scheme = "https" if self.tls else "http"
@@ -266,8 +258,6 @@ class Gateway:
             await self.conductor.close()
         if self._upstream is not None:
             await self._upstream.close()
-        if self._channel is not None:
-            await self._channel.close()
 
     # --- small routes ---------------------------------------------------------------------
 

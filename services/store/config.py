@@ -37,7 +37,9 @@ class StoreConfig(TlsSettings):
     )
     lease_ttl_s: float = opt(3.0, "lease TTL of this node's registry record, seconds")
     conductor: str = opt(
-        "", "conductor gRPC address for residency events (default: discover in the registry)"
+        "",
+        "conductor gRPC addresses host:port[,host:port] for residency events "
+        "(default: every conductor registered in the registry)",
     )
     transfer: str = opt(
         "",

@@ -27,9 +27,9 @@ from quillcache_store.client import MAX_MESSAGE_BYTES
 from quillcache_store.config import StoreConfig
 from quillcache_store.datapath.pull import BlockPuller
 from quillcache_store.datapath.server import BlockDataServer
-from quillcache_store.links import ConductorLink, PeerStores, TransferLink
+from quillcache_store.links import PeerStores, TransferLink
 from quillcache_store.pooled import PooledStore
-from quillcache_store.reporter import ResidencyReporter
+from quillcache_store.replicas import ConductorReplicas
 from quillcache_store.servicer import SERVICE_NAME, ByteBudget, StoreServicer
 from quillcache_store.tiers.dram import DramTier
 from quillcache_store.tiers.ssd import SsdTier
@@ -50,7 +50,6 @@ class StoreServer:
         self.registry = open_registry(config.registry, tls)
         # A memory registry knows only this process: discovery needs etcd.
         discovering = None if config.registry.strip().startswith("memory") else self.registry
-        self.conductor = ConductorLink(config.conductor, discovering, config.rpc_timeout_s, tls)
         self.transfer: TransferLink | None = None
         if config.transfer.lower() != "none":
             self.transfer = TransferLink(
@@ -60,9 +59,12 @@ class StoreServer:
         self._discovering = discovering is not None
         self._reporting = bool(config.conductor) or discovering is not None
         self.executor = ThreadPoolExecutor(config.worker_threads, thread_name_prefix="store-io")
-        self.reporter = ResidencyReporter(
+        # Every conductor replica gets every residency event (replicas.py).
+        self.conductor = self.reporter = ConductorReplicas(
             config.node_id,
-            self.conductor.ingest,
+            config.conductor,
+            config.rpc_timeout_s,
+            tls,
             self._snapshot,
             max_queue=config.event_queue_max,
             max_batch=config.event_batch_max,
@@ -216,12 +218,9 @@ class StoreServer:
         )
         self._registered = True
         if self._reporting:
-            self._tasks.append(asyncio.create_task(self.reporter.run(), name="residency-reporter"))
+            self.conductor.start()
         if self._discovering:
-            conductors = {c.id: c.start_time_s for c in await self.registry.list("conductor")}
-            self._tasks.append(
-                asyncio.create_task(self._watch_fleet(conductors), name="registry-watch")
-            )
+            self._tasks.append(asyncio.create_task(self._watch_fleet(), name="registry-watch"))
         else:
             logger.warning(
                 "no conductor configured and no registry to find one: residency is not reported"
@@ -241,23 +240,22 @@ class StoreServer:
             time.monotonic() - started,
         )
 
-    async def _watch_fleet(self, conductors: dict[str, float]) -> None:
-        """Resend the full residency when the conductor's index may have lost it: a
-        conductor (re)started, or this node's own record came back after a leave (its
-        lease expired during an etcd outage, so the conductor dropped its blocks)."""
+    async def _watch_fleet(self) -> None:
+        """Follow the conductor replicas (a new or restarted one gets the full residency,
+        replicas.py), and resend it to all when this node's own record came back after a
+        leave (its lease expired during an etcd outage, so the conductors dropped its
+        blocks)."""
         node_id = self.config.node_id
         own_present = True
         while True:
             try:
                 async for event in self.registry.watch():
                     record = event.record
-                    if record.kind == "conductor" and event.type != "leave":
-                        if conductors.get(record.id) == record.start_time_s:
-                            continue  # the one this node announced itself to at start
-                        conductors[record.id] = record.start_time_s
-                        logger.info("conductor %s (re)started: resending residency", record.id)
-                        await self.conductor.reset()
-                        self.reporter.request_resync()
+                    if record.kind == "conductor":
+                        if event.type == "leave":
+                            await self.conductor.left(record)
+                        else:
+                            await self.conductor.joined(record)
                     elif record.kind == "store" and record.id == node_id:
                         if event.type == "leave":
                             own_present = False

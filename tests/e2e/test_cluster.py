@@ -352,6 +352,7 @@ def test_quillcache_up_writes_endpoints_and_stops_cleanly_on_sigterm(tmp_path):
         assert set(endpoints) == {
             "gateway_url",
             "conductor",
+            "conductors",
             "stores",
             "transfer",
             "etcd",
@@ -361,6 +362,7 @@ def test_quillcache_up_writes_endpoints_and_stops_cleanly_on_sigterm(tmp_path):
             "tls",
         }
         assert set(endpoints["tls"]) == {"ca", "cert", "key"}
+        assert endpoints["conductors"] == [endpoints["conductor"]]  # one by default
         assert len(endpoints["stores"]) == 2 and len(endpoints["engines"]) == 2
         assert set(endpoints["api_keys"]) == {"acme", "globex"}
         headers, _, text = chat(client_for(endpoints), "hello")

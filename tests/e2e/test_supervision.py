@@ -185,7 +185,8 @@ def test_a_killed_conductor_is_back_on_its_address_and_plans_hits_again(cluster)
     # generated one aside): the reopened LMDB index, and the engines' event replay.
     computed = int(first.headers["x-quillcache-recompute-blocks"])
     assert int(again.headers["x-quillcache-hit-blocks"]) >= computed - 1 > 0, dict(again.headers)
-    assert again.headers["x-quillcache-engine"] == first.headers["x-quillcache-engine"]
+    # (Either engine may hold them by now: during the outage the gateway's own routing
+    # may have sent the repeated prompt to the other engine too.)
     assert failed == [], failed[:5]
     assert any(
         re.fullmatch(r"supervisor: conductor exited with -9, restarting in 0\.5s \(restart 1\)", x)

@@ -41,8 +41,10 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
         *,
         stream: bool = True,
         delay: Callable[[], float] = no_delay,
+        name: str = "",
     ) -> None:
         self.engines = engines
+        self.name = name  # prefixes its reservation ids: replicas' ids never collide
         self.stream = stream
         self.delay = delay
         self.plans: list[conductor_pb2.PlanRequest] = []
@@ -58,7 +60,7 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
     def plan(self, request: conductor_pb2.PlanRequest) -> conductor_pb2.PlanResponse:
         self.plans.append(request)
         self.planned_at[request.request_id] = asyncio.get_running_loop().time()
-        reservation_id = f"res-{len(self.plans)}"
+        reservation_id = f"{self.name}res-{len(self.plans)}"
         self.reservations.append(reservation_id)
         engine_id, url = next((e, u) for e, u in self.engines if e not in request.exclude_engines)
         return conductor_pb2.PlanResponse(
@@ -195,6 +197,9 @@ class Setup:
     session: aiohttp.ClientSession
     server: grpc.aio.Server | None = None  # the conductor's; None while it is stopped
     conductor_port: int = 0
+    # With `conductors=N`: every replica (the first is `conductor`) and its server.
+    replicas: list[FakeConductor] = dataclasses.field(default_factory=list)
+    replica_servers: list[grpc.aio.Server | None] = dataclasses.field(default_factory=list)
 
     async def metrics(self) -> str:
         async with self.session.get(self.url + "/metrics") as reply:
@@ -203,6 +208,12 @@ class Setup:
     async def stop_conductor(self) -> None:
         """The conductor goes away (its port refuses connections) until started again."""
         server, self.server = self.server, None
+        if server is not None:
+            await server.stop(None)
+
+    async def stop_replica(self, i: int) -> None:
+        """Replica i (1 or more; 0 is `stop_conductor`) goes away for good."""
+        server, self.replica_servers[i] = self.replica_servers[i], None
         if server is not None:
             await server.stop(None)
 
@@ -231,6 +242,7 @@ async def gateway_setup(
     hit_blocks: int = 0,
     api_keys: str = "acme=k-acme",
     key: str = "k-acme",
+    conductors: int = 1,
     **config,
 ):
     engines = [FakeEngine(f"e{i + 1}", engine_delay) for i in range(n_engines)]
@@ -242,14 +254,32 @@ async def gateway_setup(
     )
     conductor.hit_blocks = hit_blocks
     server, port = await _serve_conductor(conductor)
+    replicas, servers, addresses = [conductor], [server], [f"127.0.0.1:{port}"]
+    for i in range(1, conductors):
+        replica = FakeConductor(
+            conductor.engines, stream=plan_stream, delay=conductor_delay, name=f"r{i}-"
+        )
+        replica.hit_blocks = hit_blocks
+        replica_server, replica_port = await _serve_conductor(replica)
+        replicas.append(replica)
+        servers.append(replica_server)
+        addresses.append(f"127.0.0.1:{replica_port}")
     settings = {"finish_hold_ms": 0, **config}
     if "insecure" in {f.name for f in dataclasses.fields(GatewayConfig)}:
         settings.setdefault("insecure", True)
-    gateway = Gateway(GatewayConfig(conductor=f"127.0.0.1:{port}", api_keys=api_keys, **settings))
+    gateway = Gateway(GatewayConfig(conductor=",".join(addresses), api_keys=api_keys, **settings))
     await gateway.start()
     session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"})
     setup = Setup(
-        f"http://127.0.0.1:{gateway.port}", gateway, conductor, engines, session, server, port
+        f"http://127.0.0.1:{gateway.port}",
+        gateway,
+        conductor,
+        engines,
+        session,
+        server,
+        port,
+        replicas,
+        servers,
     )
     try:
         yield setup
@@ -257,6 +287,8 @@ async def gateway_setup(
         await session.close()
         await gateway.stop()
         await setup.stop_conductor()
+        for i in range(1, conductors):
+            await setup.stop_replica(i)
         for engine in engines:
             await engine.stop()
 

@@ -52,12 +52,13 @@ class Fleet:
         self.tmp = tmp_path
         self.procs: list[ServiceProcess] = []
 
-    def conductor(self, *extra: str) -> ServiceProcess:
+    def conductor(self, *extra: str, name: str = "conductor") -> ServiceProcess:
+        """A conductor; several need their own `--node-id` (and `name`, for the log)."""
         proc = ServiceProcess(
             "conductor",
             ["--registry", self.etcd.client_url, "--seed", "7", *extra],
             self.tmp,
-            "conductor",
+            name,
         )
         self.procs.append(proc)
         return proc.start()

@@ -87,6 +87,7 @@ class LocalCluster:
         engine_options: dict[int, dict] | None = None,
         insecure: bool = False,
         supervise: bool = False,
+        conductors: int = 1,
     ) -> None:
         """`engine_kind` "vllm" starts real vLLM servers from the cached environment
         (`vllm_env`) serving `vllm_model_dir` (default: the tiny model) as `model`.
@@ -97,11 +98,14 @@ class LocalCluster:
         Every port demands mutual TLS with the certificates made in <data_dir>/certs
         (`quillcache certs`), and etcd its users and roles, unless `insecure`.
         With `supervise`, a process that dies once the cluster is up is restarted on
-        its address (`supervisor`); `self.supervisor.restarts` lists the restarts."""
+        its address (`supervisor`); `self.supervisor.restarts` lists the restarts.
+        `conductors` replicas each get every store's residency and the engines' events;
+        the gateway spreads plans over them (they do not share reservations yet)."""
         if engine_kind not in ("sim", "vllm"):
             raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
-        if engines < 1 or stores < 1:
-            raise ValueError("a cluster needs at least one engine and one store")
+        if engines < 1 or stores < 1 or conductors < 1:
+            raise ValueError("a cluster needs at least one engine, store and conductor")
+        self.conductors = conductors
         self.data_dir = Path(data_dir)
         self.engines = engines
         self.stores = stores
@@ -160,20 +164,27 @@ class LocalCluster:
         self.log(f"etcd       {self.etcd.client_url}")
         registry = ["--registry", self.etcd.client_url, "--lease-ttl-s", str(self.lease_ttl_s)]
 
-        conductor = self._run(
-            "conductor",
-            "conductor",
-            [
-                *registry,
-                "--policy",
-                self.policy,
-                "--index-backend",
-                "lmdb",
-                "--index-path",
-                str(self.data_dir / "conductor-index"),
-            ],
-            timeout_s,
-        )
+        conductors = [
+            self._run(
+                "conductor" if i == 0 else f"conductor-{i}",
+                "conductor",
+                [
+                    *registry,
+                    "--node-id",
+                    f"conductor-{i}",
+                    "--policy",
+                    self.policy,
+                    "--index-backend",
+                    "lmdb",
+                    "--index-path",
+                    str(self.data_dir / ("conductor-index" if i == 0 else f"conductor-{i}-index")),
+                ],
+                timeout_s,
+            )
+            for i in range(self.conductors)
+        ]
+        conductor = conductors[0]
+        replicas = ",".join(c.fields["grpc"] for c in conductors)
         stores = []
         for i in range(self.stores):
             stores.append(
@@ -193,7 +204,7 @@ class LocalCluster:
                         "--ssd-capacity-bytes",
                         str(self.ssd_capacity_bytes),
                         "--conductor",
-                        conductor.fields["grpc"],
+                        replicas,
                     ],
                     timeout_s,
                 )
@@ -230,17 +241,18 @@ class LocalCluster:
                     timeout_s,
                 )
             )
-        gateway = self._start_gateway(conductor, len(engines), timeout_s)
+        gateway = self._start_gateway(conductors, len(engines), timeout_s)
         return {
             "gateway_url": gateway.fields["http"],
-            "conductor": conductor.fields["grpc"],
+            "conductor": conductor.fields["grpc"],  # the first, for older clients
+            "conductors": [c.fields["grpc"] for c in conductors],
             "stores": [s.fields["grpc"] for s in stores],
             "transfer": transfer.fields["grpc"],
             "etcd": self.etcd.client_url,
             "engines": [e.fields["http"] for e in engines],
             "metrics": {
                 "gateway": gateway.fields["http"] + "/metrics",
-                "conductor": conductor.fields["metrics"] + "/metrics",
+                **{c.name: c.fields["metrics"] + "/metrics" for c in conductors},
                 **{s.name: s.fields["metrics"] + "/metrics" for s in stores},
                 "transfer": transfer.fields["metrics"] + "/metrics",
                 **{e.name: e.fields["http"] + "/metrics" for e in engines},
@@ -257,16 +269,15 @@ class LocalCluster:
             else {"ca": str(self.tls.ca), "cert": str(self.tls.cert), "key": str(self.tls.key)},
         }
 
-    def _start_gateway(self, conductor: Child, engines: int, timeout_s: float) -> Child:
-        """The gateway with the demo tenants' keys, once the conductor sees every engine."""
+    def _start_gateway(self, conductors: list[Child], engines: int, timeout_s: float) -> Child:
+        """The gateway with the demo tenants' keys, once every conductor sees every engine."""
         keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
+        replicas = ",".join(c.fields["grpc"] for c in conductors)
         gateway = self._run(
-            "gateway",
-            "gateway",
-            ["--conductor", conductor.fields["grpc"], "--api-keys", keys],
-            timeout_s,
+            "gateway", "gateway", ["--conductor", replicas, "--api-keys", keys], timeout_s
         )
-        self._wait_engines_visible(conductor.fields["grpc"], engines, timeout_s)
+        for conductor in conductors:
+            self._wait_engines_visible(conductor.fields["grpc"], engines, timeout_s)
         return gateway
 
     def _run(self, name: str, service: str, args: list[str], timeout_s: float) -> Child:
@@ -573,6 +584,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--policy", default="quillcache", help="the conductor's routing policy")
     parser.add_argument(
+        "--conductors",
+        type=int,
+        default=1,
+        help="conductor replicas (each sees every store's residency and engine's events; "
+        "the gateway spreads plans over them and retries on another when one fails). "
+        "Default 1: replicas do not share reservations or load yet, so several may pile "
+        "work onto the same engine",
+    )
+    parser.add_argument(
         "--lease-ttl-s", type=float, default=3.0, help="registry lease TTL of every node"
     )
     parser.add_argument(
@@ -613,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             vllm_model_dir=Path(args.model) if args.model else None,
             insecure=args.insecure,
             supervise=args.supervise,
+            conductors=args.conductors,
             log=lambda *parts: print(*parts, flush=True),
         )
         print(f"starting the local cluster in {data_dir}", flush=True)

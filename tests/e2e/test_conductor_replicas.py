@@ -1,0 +1,59 @@
+"""`quillcache up --conductors 2` (LocalCluster(conductors=2)): the endpoints list both
+replicas, both index the stores' residency, and kill -9 of one leaves every request
+planned by the other (no fallback, no failure)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+from quillcache_core.launch.cluster import LocalCluster
+from quillcache_core.security.tls import grpc_channel
+from tests.e2e.test_cluster import chat, client_for
+from tests.support.cluster import operator_tls
+from tests.support.services import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _records(endpoints, address: str) -> int:
+    with grpc_channel(address, operator_tls(endpoints), aio=False) as channel:
+        stub = conductor_pb2_grpc.ConductorStub(channel)
+        return stub.Stats(conductor_pb2.StatsRequest(), timeout=5).resident_records
+
+
+def test_two_conductors_both_index_and_one_killed_costs_no_request(tmp_path):
+    lc = LocalCluster(tmp_path, conductors=2, time_scale=0.02, log=lambda *_: None)
+    endpoints = lc.start()
+    try:
+        replicas = endpoints["conductors"]
+        assert len(replicas) == 2 and endpoints["conductor"] == replicas[0]
+        client = client_for(endpoints)
+        for n in range(6):
+            headers, _, text = chat(client, f"question {n}", system=f"system {n % 3}")
+            assert "x-quillcache-plan" not in headers and text, headers
+        wait_until(
+            lambda: all(_records(endpoints, a) > 0 for a in replicas),
+            timeout_s=10,
+            what="both replicas indexing residency",
+        )
+        conductor = next(c for c in lc.children if c.name == "conductor")
+        conductor.proc.send_signal(signal.SIGKILL)
+        conductor.proc.wait(timeout=5)
+        started = time.monotonic()
+        failures, fallbacks = [], 0
+        for n in range(20):
+            try:
+                headers, _, text = chat(client, f"after {n}", system=f"system {n % 3}")
+            except Exception as exc:  # noqa: BLE001 - counted and shown below
+                failures.append(exc)
+                continue
+            fallbacks += headers.get("x-quillcache-plan") == "fallback"
+        assert failures == [], failures[:3]
+        assert fallbacks == 0, "the live replica planned every request"
+        assert time.monotonic() - started < 30
+    finally:
+        lc.stop()
