@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_bench.planner",
         "planner latency per policy and index put/locate rates at 1M resident blocks",
     ),
+    "bench-index": (
+        "quillcache_bench.index_bench",
+        "residency-index backends (memory, lmdb, rocksdb, fs, art) on the same traces",
+    ),
     "bench": (
         "quillcache_bench.fleetsim.command",
         "our planner vs Dynamo, llm-d, SGLang, round robin, least-loaded on a simulated fleet",
