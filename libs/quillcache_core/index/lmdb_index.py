@@ -29,6 +29,13 @@ import msgpack
 
 from quillcache_core.errors import Corrupt, InvalidArgument
 from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.codec import (
+    REC_HEADER,
+    decode_record,
+    key_prefix,
+    scope_prefix,
+    unpackb,
+)
 from quillcache_core.model import (
     CacheResidency,
     CacheTier,
@@ -42,9 +49,6 @@ _META_FORMAT = b"format"
 _META_BYTES = b"resident_bytes"
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
-_REC_HEADER = b"\x9a"  # msgpack fixarray, 10 elements
-_TIERS = {tier.value: tier for tier in CacheTier}
-_unpackb = msgpack.unpackb
 
 
 def _tier_value(tier: object) -> str:
@@ -127,44 +131,14 @@ class LmdbIndex(IndexBackend):
 
     def _key_prefix(self, key: KvBlockKey) -> bytes:
         """The `rec` key prefix shared by every record of `key`."""
-        p = self._pack
-        return b"".join(
-            (
-                _REC_HEADER,
-                p(key.block_hash),
-                p(key.model_id),
-                p(key.tokenizer_id),
-                p(key.adapter_id),
-                p(key.tenant_id),
-                p(key.prefix_hash),
-                p(key.block_index),
-                p(key.token_count),
-            )
-        )
+        return key_prefix(self._pack, key)
 
     def _scope_prefix(
         self, model_id: str, tokenizer_id: str, adapter_id: str | None, tenant_id: str, parent: str
     ) -> bytes:
-        p = self._pack
-        return p(model_id) + p(tokenizer_id) + p(adapter_id) + p(tenant_id) + p(parent)
+        return scope_prefix(self._pack, model_id, tokenizer_id, adapter_id, tenant_id, parent)
 
-    @staticmethod
-    def _decode(rec_key: bytes, value: bytes) -> CacheResidency:
-        f = _unpackb(rec_key)
-        nbytes, last_access_ms, ref_count, pinned = _unpackb(value)
-        try:
-            tier = _TIERS[f[9]]
-        except KeyError:
-            raise Corrupt(f"index record with unknown tier {f[9]!r}") from None
-        return CacheResidency(
-            key=KvBlockKey(f[1], f[2], f[3], f[4], f[5], f[0], f[6], f[7]),
-            worker_id=f[8],
-            tier=tier,
-            bytes=nbytes,
-            last_access_ms=last_access_ms,
-            ref_count=ref_count,
-            pinned=pinned,
-        )
+    _decode = staticmethod(decode_record)
 
     # --- transactions ------------------------------------------------------------------
 
@@ -233,7 +207,7 @@ class LmdbIndex(IndexBackend):
                     written += len(scope_key) + len(worker) + 2 * len(rec_key)
                     delta += residency.bytes
                 else:
-                    delta += residency.bytes - _unpackb(old)[0]
+                    delta += residency.bytes - unpackb(old)[0]
                 count += 1
             written += self._add_resident_bytes(txn, delta)
         self._puts += count
@@ -241,7 +215,7 @@ class LmdbIndex(IndexBackend):
 
     def _remove_matching(self, block_hash: str, keep: Callable[[list], bool]) -> int:
         """Delete the records under `block_hash` for which `keep(fields)` is false."""
-        prefix = _REC_HEADER + self._pack(block_hash)
+        prefix = REC_HEADER + self._pack(block_hash)
         with self._write() as txn:
             victims: list[tuple[bytes, list, int]] = []
             cursor = txn.cursor(db=self._rec)
@@ -249,9 +223,9 @@ class LmdbIndex(IndexBackend):
                 for rec_key, value in cursor:
                     if not rec_key.startswith(prefix):
                         break
-                    fields = _unpackb(rec_key)
+                    fields = unpackb(rec_key)
                     if not keep(fields):
-                        victims.append((rec_key, fields, _unpackb(value)[0]))
+                        victims.append((rec_key, fields, unpackb(value)[0]))
             if not victims:
                 return 0
             written = 0
@@ -309,8 +283,8 @@ class LmdbIndex(IndexBackend):
                 value = txn.get(rec_key, db=self._rec)
                 if value is None:
                     raise Corrupt(f"{self._path}: worker index names a missing record")
-                delta -= _unpackb(value)[0]
-                written += self._delete_record(txn, rec_key, _unpackb(rec_key), worker=False)
+                delta -= unpackb(value)[0]
+                written += self._delete_record(txn, rec_key, unpackb(rec_key), worker=False)
             # One delete with no value drops the worker's whole duplicate list.
             txn.delete(worker_key, db=self._worker)
             written += self._add_resident_bytes(txn, delta)
@@ -347,13 +321,13 @@ class LmdbIndex(IndexBackend):
     def locate_hash(self, block_hash: str) -> list[CacheResidency]:
         """Every residency whose key has this content hash, whatever its identity."""
         with self._read() as txn:
-            return list(self._scan(txn, _REC_HEADER + self._pack(block_hash)))
+            return list(self._scan(txn, REC_HEADER + self._pack(block_hash)))
 
     def locate_hashes(self, block_hashes: Iterable[str]) -> list[list[CacheResidency]]:
         """locate_hash for each hash, all read from one consistent snapshot."""
         pack = self._pack
         with self._read() as txn:
-            return [list(self._scan(txn, _REC_HEADER + pack(h))) for h in block_hashes]
+            return [list(self._scan(txn, REC_HEADER + pack(h))) for h in block_hashes]
 
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         """Residencies in `scope` whose key's parent hash is `prefix_hash`."""
@@ -392,7 +366,7 @@ class LmdbIndex(IndexBackend):
     def worker_epochs(self) -> dict[str, float]:
         with self._read() as txn:
             return {
-                _unpackb(key): _F64.unpack(value)[0] for key, value in txn.cursor(db=self._epoch)
+                unpackb(key): _F64.unpack(value)[0] for key, value in txn.cursor(db=self._epoch)
             }
 
     def set_worker_epoch(self, worker_id: str, epoch: float) -> None:
@@ -405,7 +379,7 @@ class LmdbIndex(IndexBackend):
         """One step per worker (its duplicates are skipped), in key order."""
         with self._read() as txn:
             cursor = txn.cursor(db=self._worker)
-            return sorted(_unpackb(key) for key in cursor.iternext_nodup(keys=True, values=False))
+            return sorted(unpackb(key) for key in cursor.iternext_nodup(keys=True, values=False))
 
     def metrics(self) -> IndexMetrics:
         """Stored totals (resident_*) plus this process's counters."""

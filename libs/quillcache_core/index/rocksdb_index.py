@@ -48,6 +48,13 @@ from rocksdict import (
 
 from quillcache_core.errors import Corrupt, InvalidArgument
 from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.codec import (
+    REC_HEADER,
+    decode_record,
+    key_prefix,
+    scope_prefix,
+    unpackb,
+)
 from quillcache_core.model import (
     CacheResidency,
     CacheTier,
@@ -59,12 +66,9 @@ from quillcache_core.model import (
 _FORMAT = b"quillcache-index-rocksdb/1"
 _META_FORMAT, _META_COUNT, _META_BYTES = b"mformat", b"mcount", b"mbytes"
 _REC, _PREFIX, _WORKER, _COUNT, _EPOCH = b"r", b"p", b"w", b"c", b"e"
-_REC_HEADER = b"\x9a"  # msgpack fixarray, 10 elements
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
-_TIERS = {tier.value: tier for tier in CacheTier}
 _WRITTEN = re.compile(r"rocksdb\.(?:wal|flush\.write|compact\.write)\.bytes COUNT : (\d+)")
-_unpackb = msgpack.unpackb
 
 
 def _after(prefix: bytes) -> bytes:
@@ -128,7 +132,7 @@ class RocksIndex(IndexBackend):
             raise Corrupt(f"{self._path}: unsupported index format {found!r}")
         (self._count,) = _I64.unpack(self._db.get(_META_COUNT))
         (self._bytes,) = _I64.unpack(self._db.get(_META_BYTES))
-        self._held = {_unpackb(key[1:]): _I64.unpack(value)[0] for key, value in self._scan(_COUNT)}
+        self._held = {unpackb(key[1:]): _I64.unpack(value)[0] for key, value in self._scan(_COUNT)}
 
     @property
     def persistent(self) -> bool:
@@ -142,46 +146,14 @@ class RocksIndex(IndexBackend):
 
     def _body(self, r: CacheResidency) -> bytes:
         p = self._pack
-        k = r.key
-        return b"".join(
-            (
-                _REC_HEADER,
-                p(k.block_hash),
-                p(k.model_id),
-                p(k.tokenizer_id),
-                p(k.adapter_id),
-                p(k.tenant_id),
-                p(k.prefix_hash),
-                p(k.block_index),
-                p(k.token_count),
-                p(r.worker_id),
-                p(r.tier._value_),
-            )
-        )
+        return key_prefix(p, r.key) + p(r.worker_id) + p(r.tier._value_)
 
     def _scope_prefix(
         self, model: str, tokenizer: str, adapter: str | None, tenant: str, parent: str
     ) -> bytes:
-        p = self._pack
-        return b"".join((_PREFIX, p(model), p(tokenizer), p(adapter), p(tenant), p(parent)))
+        return _PREFIX + scope_prefix(self._pack, model, tokenizer, adapter, tenant, parent)
 
-    @staticmethod
-    def _decode(body: bytes, value: bytes) -> CacheResidency:
-        f = _unpackb(body)
-        nbytes, last_access_ms, ref_count, pinned = _unpackb(value)
-        try:
-            tier = _TIERS[f[9]]
-        except KeyError:
-            raise Corrupt(f"index record with unknown tier {f[9]!r}") from None
-        return CacheResidency(
-            KvBlockKey(f[1], f[2], f[3], f[4], f[5], f[0], f[6], f[7]),
-            f[8],
-            tier,
-            nbytes,
-            last_access_ms,
-            ref_count,
-            pinned,
-        )
+    _decode = staticmethod(decode_record)
 
     def _scan(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         """Every (key, value) whose key starts with `prefix`, in key order."""
@@ -242,7 +214,7 @@ class RocksIndex(IndexBackend):
         for r, body, old in zip(batch_records, bodies, old_values, strict=True):
             value = pack((r.bytes, r.last_access_ms, r.ref_count, r.pinned))
             batch.put(_REC + body, value)
-            before = sizes[body] if body in sizes else (None if old is None else _unpackb(old)[0])
+            before = sizes[body] if body in sizes else (None if old is None else unpackb(old)[0])
             sizes[body] = r.bytes
             if before is None:
                 k = r.key
@@ -276,12 +248,12 @@ class RocksIndex(IndexBackend):
         return freed, held
 
     def _remove_matching(self, block_hash: str, doomed) -> int:
-        prefix = _REC + _REC_HEADER + self._pack(block_hash)
+        prefix = _REC + REC_HEADER + self._pack(block_hash)
         victims = []
         for key, value in self._scan(prefix):
-            f = _unpackb(key[1:])
+            f = unpackb(key[1:])
             if doomed(f):
-                victims.append((key[1:], f, _unpackb(value)[0]))
+                victims.append((key[1:], f, unpackb(value)[0]))
         if not victims:
             return 0
         batch = WriteBatch(raw_mode=True)
@@ -312,7 +284,7 @@ class RocksIndex(IndexBackend):
         for body, value in zip(bodies, values, strict=True):
             if value is None:
                 raise Corrupt(f"{self._path}: worker index names a missing record")
-            victims.append((body, _unpackb(body), _unpackb(value)[0]))
+            victims.append((body, unpackb(body), unpackb(value)[0]))
         batch = WriteBatch(raw_mode=True)
         freed, held = self._delete_records(victims, batch, worker_entries=False)
         batch.delete_range(prefix, _after(prefix))
@@ -343,7 +315,7 @@ class RocksIndex(IndexBackend):
         prefix = b"".join(
             (
                 _REC,
-                _REC_HEADER,
+                REC_HEADER,
                 p(key.block_hash),
                 p(key.model_id),
                 p(key.tokenizer_id),
@@ -359,7 +331,7 @@ class RocksIndex(IndexBackend):
 
     def locate_hash(self, block_hash: str) -> list[CacheResidency]:
         decode = self._decode
-        prefix = _REC + _REC_HEADER + self._pack(block_hash)
+        prefix = _REC + REC_HEADER + self._pack(block_hash)
         return [decode(k[1:], v) for k, v in self._scan(prefix)]
 
     def locate_hashes(self, block_hashes: Iterable[str]) -> list[list[CacheResidency]]:
@@ -369,7 +341,7 @@ class RocksIndex(IndexBackend):
         it = self._db.iter()
         out = []
         for block_hash in block_hashes:
-            prefix = _REC + _REC_HEADER + pack(block_hash)
+            prefix = _REC + REC_HEADER + pack(block_hash)
             found = []
             it.seek(prefix)
             while it.valid():
@@ -420,7 +392,7 @@ class RocksIndex(IndexBackend):
         return sorted(self._held)
 
     def worker_epochs(self) -> dict[str, float]:
-        return {_unpackb(k[1:]): _F64.unpack(v)[0] for k, v in self._scan(_EPOCH)}
+        return {unpackb(k[1:]): _F64.unpack(v)[0] for k, v in self._scan(_EPOCH)}
 
     def metrics(self) -> IndexMetrics:
         """Stored totals plus this process's counters and RocksDB's bytes written."""
