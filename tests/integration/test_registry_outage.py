@@ -189,22 +189,8 @@ def fill(conductor: ServiceProcess, store: ServiceProcess, engines: list[SimEngi
     return stats(conductor).resident_records
 
 
-@pytest.fixture
-def outage_fleet(etcd_server, tmp_path):
-    f = Fleet(etcd_server, tmp_path)
-    try:
-        yield f
-    except BaseException:
-        print(f.log_tails())
-        raise
-    finally:
-        f.stop()
-
-
-def test_an_etcd_stall_longer_than_every_lease_keeps_the_residency(
-    etcd_server, outage_fleet, tmp_path
-):
-    conductor, store, engines = start_fleet(outage_fleet, tmp_path)
+def test_an_etcd_stall_longer_than_every_lease_keeps_the_residency(etcd_server, fleet, tmp_path):
+    conductor, store, engines = start_fleet(fleet, tmp_path)
     before = fill(conductor, store, engines)
     planner = Planner(conductor)
     planner.start()
@@ -241,11 +227,11 @@ def test_an_etcd_stall_longer_than_every_lease_keeps_the_residency(
     assert (reply.engine_id, reply.hit_blocks) == ("engine-1", PROMPT_BLOCKS)
 
 
-def test_nodes_that_really_died_are_dropped_after_the_grace(etcd_server, outage_fleet, tmp_path):
+def test_nodes_that_really_died_are_dropped_after_the_grace(etcd_server, fleet, tmp_path):
     """An engine killed during the stall is held routable for a moment after etcd
     resumes (its leave looks like the outage's), then excluded, and its records go
     when the grace is over; a store killed while etcd is fine is excluded at once."""
-    conductor, store, engines = start_fleet(outage_fleet, tmp_path)
+    conductor, store, engines = start_fleet(fleet, tmp_path)
     before = fill(conductor, store, engines)
     engine_records = PROMPTS * PROMPT_BLOCKS
     planner = Planner(conductor)
