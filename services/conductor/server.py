@@ -21,7 +21,7 @@ from quillcache_core.model import CostModel
 from quillcache_core.process.heap import HeapSettler
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeEvent, NodeRecord, open_registry
-from quillcache_core.registry.records import LEAVE
+from quillcache_core.registry.records import JOIN, LEAVE
 from quillcache_core.routing.references import make_policy
 from quillcache_core.rpc.plan_port import PlanPortServer
 from quillcache_core.rpc.server import (
@@ -228,6 +228,7 @@ class ConductorServer:
             self.state, self.events, cfg.max_blocks_per_request, cfg.plan_alternatives
         )
         conductor_pb2_grpc.add_ConductorServicer_to_server(servicer, server)
+        await self._load_fleet()
         if cfg.plan_port >= 0:
             self.plan_port = PlanPortServer(servicer.handle_calls, self.tls)
             port = await self.plan_port.start(cfg.host, cfg.plan_port)
@@ -267,6 +268,25 @@ class ConductorServer:
             f"READY conductor grpc={host}:{self.grpc_port} "
             f"metrics={'https' if self.tls else 'http'}://{host}:{self.metrics_port}{plan}"
         )
+
+    async def _load_fleet(self) -> None:
+        """The registry's engines and stores, applied before the conductor answers anyone.
+
+        A conductor that answered first (a restart, etcd slow to resolve or reach) would
+        plan on an empty fleet: "no engine" to every request until its watch caught up.
+        While it waits its ports stay closed, so the gateway routes by itself meanwhile
+        (fallback.py). The watch that follows lists them again (joins are idempotent)."""
+        delay_s = 0.25
+        while True:
+            try:
+                records = await self.registry.list()
+                break
+            except Exception as exc:  # noqa: BLE001 - any registry trouble: wait for it
+                logger.warning("the conductor waits for the registry before serving: %s", exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2 * delay_s, 5.0)
+        for record in records:
+            self._apply_node_event(NodeEvent(JOIN, record))
 
     async def _watch_registry(self) -> None:
         """Apply the fleet's changes. The registry's own watch rides out etcd outages

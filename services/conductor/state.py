@@ -10,6 +10,7 @@ import heapq
 import logging
 import random
 import secrets
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,6 +33,11 @@ from quillcache_core.routing.policy import Fleet, PlanDecision, Policy
 logger = logging.getLogger(__name__)
 
 OUTCOMES = ("success", "error", "cancelled")
+# After a successful Finish on an engine that publishes KV events, its optimistic records
+# stay this long: the Finish can reach the conductor before the engine's own events for
+# the request do (another socket; a subscription still connecting), and a repeat of the
+# prompt planned in between must still find them.
+OPTIMISTIC_LINGER_S = 2.0
 
 
 @dataclass(slots=True)
@@ -109,6 +115,7 @@ class ConductorState:
         default_block_bytes: int = 2 * MIB,
         max_blocks_per_request: int = 16384,
         block_tokens: int = 16,
+        optimistic_linger_s: float = OPTIMISTIC_LINGER_S,
     ) -> None:
         if reservation_ttl_s <= 0:
             raise InvalidArgument("reservation_ttl_s must be positive")
@@ -132,6 +139,10 @@ class ConductorState:
         # engine's own events within seconds, and an overlay entry costs a tenth
         # of an index record.
         self.optimistic: dict[str, list[CacheResidency]] = {}
+        # Finished reservations whose overlay records wait for the engine's events:
+        # (forget at, reservation), in Finish order.
+        self.optimistic_linger_s = optimistic_linger_s
+        self._lingering: deque[tuple[float, Reservation]] = deque()
         # Eligible engines per (model, excluded engines); dropped on any join or leave.
         self._fleets: dict[tuple[str, tuple[str, ...]], Fleet] = {}
         self._prefill_due: list[tuple[float, str]] = []
@@ -195,6 +206,7 @@ class ConductorState:
         for res in self.reservations.values():
             if res.engine_id == record.id:
                 self._forget_optimistic(res)
+        self._forget_lingering(record.id)
         self.counters.restart_records_dropped += dropped
         logger.info(
             "engine %s restarted (start time %.3f, was %.3f): dropped its %d residency records",
@@ -308,6 +320,7 @@ class ConductorState:
         dropped = self.index.clear_worker(engine_id)
         for res_id in [r.id for r in self.reservations.values() if r.engine_id == engine_id]:
             self._forget_optimistic(self.reservations.pop(res_id))
+        self._forget_lingering(engine_id)
         logger.info("engine %s left; dropped %d residency records", engine_id, dropped)
         return dropped
 
@@ -429,15 +442,16 @@ class ConductorState:
             raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
         self._release(res)
         info = self.engines.get(res.engine_id)
-        if (
-            promote
-            and outcome == "success"
-            and res.optimistic
-            and info is not None
-            and not publishes_events(info.record)
-        ):
-            # The engine has computed them now: they are resident until it says otherwise.
-            self.index.put_many(res.optimistic)
+        success = outcome == "success"
+        if success and res.optimistic and info is not None and not publishes_events(info.record):
+            if promote:
+                # The engine has computed them now: resident until it says otherwise.
+                self.index.put_many(res.optimistic)
+        elif success and res.optimistic and self.optimistic_linger_s > 0:
+            # Its events are the truth, but may still be on their way.
+            self._lingering.append((self.clock() + self.optimistic_linger_s, res))
+            self.counters.finishes[outcome] += 1
+            return res.engine_id
         self._forget_optimistic(res)
         self.counters.finishes[outcome] += 1
         return res.engine_id
@@ -535,6 +549,9 @@ class ConductorState:
         self._release_due(self.clock())
 
     def _release_due(self, now: float) -> None:
+        lingering = self._lingering
+        while lingering and lingering[0][0] <= now:
+            self._forget_optimistic(lingering.popleft()[1])
         if len(self._expiry) > 2 * len(self.reservations) + 1024:
             # Finished reservations leave stale heap entries; rebuild from the open ones.
             open_ = self.reservations.values()
@@ -589,6 +606,17 @@ class ConductorState:
         for record in records:
             slot(record[0][5], []).append(record)  # key.block_hash
         return records
+
+    def _forget_lingering(self, engine_id: str) -> None:
+        """Drop the overlay records finished requests left on `engine_id` (its cache is gone)."""
+        if any(res.engine_id == engine_id for _, res in self._lingering):
+            kept = deque()
+            for item in self._lingering:
+                if item[1].engine_id == engine_id:
+                    self._forget_optimistic(item[1])
+                else:
+                    kept.append(item)
+            self._lingering = kept
 
     def _forget_optimistic(self, res: Reservation) -> None:
         overlay = self.optimistic

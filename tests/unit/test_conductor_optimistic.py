@@ -1,0 +1,87 @@
+"""The conductor's optimistic overlay: what a planned request is about to put in its
+engine's HBM is visible to the next plans, and for an engine that publishes KV events it
+outlives a successful Finish until those events have had time to arrive."""
+
+from __future__ import annotations
+
+import random
+
+from quillcache_conductor.state import OPTIMISTIC_LINGER_S, ConductorState
+from quillcache_core.index import MemoryIndex
+from quillcache_core.model import CostModel
+from quillcache_core.registry import NodeRecord
+from quillcache_core.routing.planner import CostPlanner
+from tests.unit.factories import MODEL, TOKENIZER, make_request
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def engine_record(node: str, events: bool, start_time_s: float = 100.0) -> NodeRecord:
+    return NodeRecord(
+        kind="engine",
+        id=node,
+        address="",
+        locality_domain="rack-a",
+        base_url=f"http://{node}",
+        model=MODEL,
+        tokenizer=TOKENIZER,
+        start_time_s=start_time_s,
+        kv_events_endpoint=f"tcp://{node}:5557" if events else "",
+    )
+
+
+def make_state(events: bool = True) -> tuple[ConductorState, Clock]:
+    clock = Clock()
+    state = ConductorState(
+        MemoryIndex(), CostPlanner(CostModel()), clock=clock, rng=random.Random(1)
+    )
+    for node in ("e0", "e1"):
+        state.engine_joined(engine_record(node, events))
+    return state, clock
+
+
+def hits(state: ConductorState, seed: int = 0) -> tuple[str, int]:
+    outcome = state.plan(make_request(8, seed=seed))
+    state.finish(outcome.reservation_id, "cancelled")  # probes leave no overlay behind
+    return outcome.decision.engine.id, outcome.decision.chosen.hit_blocks
+
+
+def test_a_finished_request_still_counts_until_its_engines_events_can_have_come():
+    state, clock = make_state(events=True)
+    first = state.plan(make_request(8))
+    engine = first.decision.engine.id
+    state.finish(first.reservation_id, "success")
+    # The engine's events for the request have not arrived: the repeat still hits there.
+    assert hits(state) == (engine, 8)
+    clock.now += OPTIMISTIC_LINGER_S + 0.1
+    state.tick()
+    # Nothing confirmed them: the overlay is gone, no block is claimed for ever.
+    assert hits(state)[1] == 0
+    assert state.optimistic == {}
+
+
+def test_failed_requests_leave_nothing_and_an_engine_that_leaves_takes_its_overlay():
+    state, _ = make_state(events=True)
+    failed = state.plan(make_request(8))
+    state.finish(failed.reservation_id, "error")
+    assert hits(state)[1] == 0
+    done = state.plan(make_request(8, seed=3))
+    state.finish(done.reservation_id, "success")
+    state.engine_left(done.decision.engine.id)
+    assert state.optimistic == {}
+    assert hits(state, seed=3)[1] == 0
+
+
+def test_an_engine_without_events_has_the_finished_blocks_recorded_for_good():
+    state, clock = make_state(events=False)
+    first = state.plan(make_request(8))
+    state.finish(first.reservation_id, "success")
+    clock.now += 10 * OPTIMISTIC_LINGER_S
+    state.tick()
+    assert hits(state) == (first.decision.engine.id, 8)
