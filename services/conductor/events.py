@@ -98,6 +98,7 @@ class EventRouter:
             bytes_per_block=self.state.default_block_bytes,
             block_tokens=self.state.block_tokens,
             engine_block_tokens=info.record.block_size if info else 0,
+            on_released=lambda block_hash: self.state.overlay_released(engine_id, block_hash),
         )
         self.translators[engine_id] = translator
         return translator

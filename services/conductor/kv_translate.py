@@ -28,6 +28,7 @@ One translator per engine. Not thread-safe: the owner serialises calls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -106,6 +107,7 @@ _SPAN = 1 << _SPAN_BITS
 # still mapped to the run, engine keys]
 _Run = list[Any]
 _LIVE = 6
+_HBM = CacheTier.HBM.value  # the tier of an engine's own cache
 
 _new = tuple.__new__
 _StoredOp = tuple[Any, ...]
@@ -123,12 +125,16 @@ class EngineEventTranslator:
         max_tracked: int = DEFAULT_MAX_TRACKED,
         block_tokens: int = 0,
         engine_block_tokens: int = 0,
+        on_released: Callable[[str | None], None] | None = None,
     ) -> None:
         """`block_tokens` is the index's block size: an engine reporting larger blocks (a
         multiple of it) has each split into sub-blocks of that size (`split_blocks`), so
         its blocks key the same as a gateway's request hashed at that size. 0 applies the
         engine's blocks as they come. `engine_block_tokens` is the engine's own block size
-        (its record's, 0 = learn it from its BlockStored events), by which removals split."""
+        (its record's, 0 = learn it from its BlockStored events), by which removals split.
+        `on_released(our_hash)` hears of each of our blocks the engine's HBM no longer
+        holds (None: all of them), for the conductor's optimistic overlay."""
+        self.on_released = on_released
         self.index = index
         self.block_tokens = block_tokens
         self.engine_block_tokens = engine_block_tokens
@@ -235,6 +241,8 @@ class EngineEventTranslator:
         self._blocks.clear()
         self._runs.clear()
         self._refs.clear()
+        if self.on_released is not None:
+            self.on_released(None)
         return self.index.clear_worker(self.engine_id)
 
     def _entry(self, value: _Entry | int) -> _Entry:
@@ -499,6 +507,8 @@ class EngineEventTranslator:
         if refs is not None:
             refs.pop(our_hash, None)
         self.index.remove_tier(self.engine_id, our_hash, CacheTier(tier))
+        if self.on_released is not None and tier == _HBM:
+            self.on_released(our_hash)
 
     def _drop_entry(self, key_of_engine: EngineKey, entry: _Entry) -> None:
         for tier, _group in entry[_HOLDERS]:

@@ -607,6 +607,25 @@ class ConductorState:
             slot(record[0][5], []).append(record)  # key.block_hash
         return records
 
+    def overlay_released(self, engine_id: str, block_hash: str | None) -> None:
+        """The engine's events say its HBM no longer holds the block (None: nothing):
+        no optimistic record may claim it there any longer, a finished request's
+        lingering one or an open request's."""
+        if block_hash is None:
+            self._forget_lingering(engine_id)
+            for res in self.reservations.values():
+                if res.engine_id == engine_id:
+                    self._forget_optimistic(res)
+            return
+        found = self.optimistic.get(block_hash)
+        if found is None:
+            return
+        kept = [record for record in found if record[1] != engine_id]  # record.worker_id
+        if not kept:
+            del self.optimistic[block_hash]
+        elif len(kept) < len(found):
+            self.optimistic[block_hash] = kept
+
     def _forget_lingering(self, engine_id: str) -> None:
         """Drop the overlay records finished requests left on `engine_id` (its cache is gone)."""
         if any(res.engine_id == engine_id for _, res in self._lingering):

@@ -36,24 +36,72 @@ _BACKOFF_START_S = 0.1
 _BACKOFF_MAX_S = 2.0
 
 
+# Blocks one coalesced event carries at most (a run longer than that is cut in two).
+MAX_RUN = 256
+
+
 def event_to_proto(event: TierEvent) -> conductor_pb2.KvEvent:
     """One store KvEvent: a "stored" carries the block's identity, parent, index and size."""
-    key = event.key
-    medium = event.tier.value
-    if event.kind == STORED:
+    return events_to_protos([event])[0]
+
+
+def events_to_protos(events: list[TierEvent]) -> list[conductor_pb2.KvEvent]:
+    """The events as KvEvents, runs coalesced: consecutive "stored" events of one chain
+    (each block the child of the one before, same identity, tier, size and bytes) become
+    one BlockStored with all their hashes, and consecutive "removed" events of one tier
+    one BlockRemoved. A prompt's blocks offloaded or demoted together are one event, not
+    one per block; the conductor applies exactly the same facts, in the same order."""
+    out: list[conductor_pb2.KvEvent] = []
+    run: list[TierEvent] = []
+    for event in events:
+        if run and len(run) < MAX_RUN and _continues(run[-1], event):
+            run.append(event)
+            continue
+        if run:
+            out.append(_run_to_proto(run))
+        run = [event]
+    if run:
+        out.append(_run_to_proto(run))
+    return out
+
+
+def _continues(last: TierEvent, event: TierEvent) -> bool:
+    if event.kind != last.kind or event.tier is not last.tier:
+        return False
+    if event.kind != STORED:
+        return True
+    a, b = last.key, event.key
+    return (
+        b.prefix_hash == a.block_hash
+        and b.block_index == a.block_index + 1
+        and b.token_count == a.token_count
+        and event.bytes == last.bytes
+        and b.tenant_id == a.tenant_id
+        and b.model_id == a.model_id
+        and b.tokenizer_id == a.tokenizer_id
+        and b.adapter_id == a.adapter_id
+    )
+
+
+def _run_to_proto(run: list[TierEvent]) -> conductor_pb2.KvEvent:
+    first = run[0]
+    key = first.key
+    medium = first.tier.value
+    hashes = [event.key.block_hash for event in run]
+    if first.kind == STORED:
         return conductor_pb2.KvEvent(
             stored=conductor_pb2.BlockStored(
-                block_hashes=[key.block_hash],
+                block_hashes=hashes,
                 parent_block_hash=key.prefix_hash,
                 block_size=key.token_count,
                 medium=medium,
-                bytes_per_block=event.bytes,
+                bytes_per_block=first.bytes,
                 identity=wire.identity_of(key),
                 first_block_index=key.block_index,
             )
         )
     return conductor_pb2.KvEvent(
-        removed=conductor_pb2.BlockRemoved(block_hashes=[key.block_hash], medium=medium)
+        removed=conductor_pb2.BlockRemoved(block_hashes=hashes, medium=medium)
     )
 
 
@@ -155,18 +203,18 @@ class ResidencyReporter:
         self.resyncs += 1
         # Events queued before the snapshot are replayed after it (see the module doc).
         held = await asyncio.to_thread(self._snapshot)
-        batches = [[conductor_pb2.KvEvent(cleared=conductor_pb2.AllBlocksCleared())]]
-        protos = [event_to_proto(e) for e in held]
-        for i in range(0, len(protos), self._max_batch):
-            batches.append(protos[i : i + self._max_batch])
-        for batch in batches:
+        batches = [([conductor_pb2.KvEvent(cleared=conductor_pb2.AllBlocksCleared())], 1)]
+        for i in range(0, len(held), self._max_batch):
+            part = held[i : i + self._max_batch]
+            batches.append((events_to_protos(part), len(part)))
+        for batch, count in batches:
             if self._resync:  # overflowed meanwhile: start over
                 return
-            await self._deliver_protos(batch, len(batch))
+            await self._deliver_protos(batch, count)
         log.info("announced residency to the conductor: %d blocks", len(held))
 
     async def _deliver(self, events: list[TierEvent]) -> None:
-        await self._deliver_protos([event_to_proto(e) for e in events], len(events))
+        await self._deliver_protos(events_to_protos(events), len(events))
 
     async def _deliver_protos(self, protos: list[conductor_pb2.KvEvent], count: int) -> None:
         self._sequence += 1

@@ -85,3 +85,19 @@ def test_an_engine_without_events_has_the_finished_blocks_recorded_for_good():
     clock.now += 10 * OPTIMISTIC_LINGER_S
     state.tick()
     assert hits(state) == (first.decision.engine.id, 8)
+
+
+def test_an_eviction_the_engine_reports_ends_the_overlay_at_once():
+    state, _ = make_state(events=True)
+    request = make_request(8)
+    first = state.plan(request)
+    engine = first.decision.engine.id
+    state.finish(first.reservation_id, "success")
+    # The engine's events: it evicted the prompt's first block (e.g. other work filled it).
+    state.overlay_released(engine, request.blocks[0].block_hash)
+    assert hits(state)[1] == 0  # a prefix broken at its first block has no hit
+    # AllBlocksCleared (or a restart): nothing of that engine stays claimed.
+    again = state.plan(make_request(8, seed=5))
+    state.finish(again.reservation_id, "success")
+    state.overlay_released(again.decision.engine.id, None)
+    assert hits(state, seed=5)[1] == 0

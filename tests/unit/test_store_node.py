@@ -9,9 +9,10 @@ import pytest
 
 from quillcache.v1 import conductor_pb2
 from quillcache_core.errors import NodeUnavailable, NotFound
+from quillcache_core.identity.hashing import keys_from_hashes
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store.pooled import PeerLocation, PooledStore
-from quillcache_store.reporter import ResidencyReporter, event_to_proto
+from quillcache_store.reporter import ResidencyReporter, event_to_proto, events_to_protos
 from quillcache_store.tiers.dram import DramTier
 from quillcache_store.tiers.ssd import SsdTier
 from quillcache_store.tiers.tiered import REMOVED, STORED, TieredStore, TierEvent
@@ -149,13 +150,24 @@ def test_reporter_resyncs_first_then_sends_in_order_and_retries():
     asyncio.run(asyncio.wait_for(scenario(), 10))
     kinds = [e.WhichOneof("event") for b in sent for e in b.events]
     assert kinds[0] == "cleared" and kinds[1] == "stored"  # the snapshot comes first
-    hashes = [e.stored.block_hashes[0] for b in sent[2:] for e in b.events if e.HasField("stored")]
+    hashes = [
+        h for b in sent[2:] for e in b.events if e.HasField("stored") for h in e.stored.block_hashes
+    ]
     assert hashes == [f"h{i}" for i in range(1, 6)]
     assert kinds[-1] == "removed"
     assert all(b.source_kind == "store" and b.engine_id == "n1" for b in sent)
     assert [b.sequence for b in sent] == sorted(b.sequence for b in sent)
     assert reporter.send_failures == 2
-    assert all(len(b.events) <= 2 for b in sent)
+    assert all(blocks(b) <= 2 for b in sent)
+
+
+def blocks(batch: conductor_pb2.KvEventBatch) -> int:
+    """Blocks a batch speaks of (AllBlocksCleared counts one)."""
+    which = [e.WhichOneof("event") for e in batch.events]
+    return sum(
+        1 if kind == "cleared" else len(getattr(e, kind).block_hashes)
+        for kind, e in zip(which, batch.events, strict=True)
+    )
 
 
 def test_reporter_lingers_so_trickling_events_share_a_batch():
@@ -180,11 +192,12 @@ def test_reporter_lingers_so_trickling_events_share_a_batch():
 
     lingering = ResidencyReporter("n1", send, list, linger_s=1.0)
     asyncio.run(asyncio.wait_for(scenario(lingering), 10))
-    assert [len(b.events) for b in sent] == [8]
+    # One batch, and the chain's 8 blocks one coalesced event in it.
+    assert [(blocks(b), len(b.events)) for b in sent] == [(8, 1)]
     sent.clear()
     eager = ResidencyReporter("n1", send, list, linger_s=0.0)
     asyncio.run(asyncio.wait_for(scenario(eager), 10))
-    assert len(sent) > 1 and sum(len(b.events) for b in sent) == 8
+    assert len(sent) > 1 and sum(blocks(b) for b in sent) == 8
 
 
 def test_reporter_overflow_drops_the_queue_and_resyncs():
@@ -219,3 +232,43 @@ def test_event_proto_carries_the_key():
     assert stored.identity.adapter_id == "lora" and stored.identity.tenant_id == "acme"
     removed = event_to_proto(TierEvent(REMOVED, k, CacheTier.CPU_DRAM, 7)).removed
     assert list(removed.block_hashes) == ["h2"] and removed.medium == "cpu_dram"
+
+
+def facts(protos: list[conductor_pb2.KvEvent]) -> list[tuple]:
+    """Per block, what the conductor records from these events, in order."""
+    out = []
+    for proto in protos:
+        if proto.WhichOneof("event") == "stored":
+            st = proto.stored
+            ident = st.identity
+            keys = keys_from_hashes(
+                list(st.block_hashes),
+                st.block_size,
+                model_id=ident.model_id,
+                tokenizer_id=ident.tokenizer_id,
+                adapter_id=ident.adapter_id if ident.HasField("adapter_id") else None,
+                tenant_id=ident.tenant_id,
+                parent=st.parent_block_hash or "root",
+                first_index=st.first_block_index,
+            )
+            out += [("stored", k, st.medium, st.bytes_per_block) for k in keys]
+        else:
+            out += [("removed", h, proto.removed.medium) for h in proto.removed.block_hashes]
+    return out
+
+
+def test_runs_of_a_chain_are_one_event_and_say_exactly_what_one_per_block_says():
+    dram, ssd = CacheTier.CPU_DRAM, CacheTier.LOCAL_SSD
+    events = [TierEvent(STORED, key(i), dram, 7) for i in range(40)]  # a prompt offloaded
+    events += [TierEvent(STORED, key(i, tenant="globex"), dram, 7) for i in range(3)]
+    events += [TierEvent(STORED, key(i), ssd, 7) for i in (0, 1, 5, 6)]  # a gap: two runs
+    events += [TierEvent(REMOVED, key(i), dram, 7) for i in range(10)]
+    events += [TierEvent(REMOVED, key(i), ssd, 7) for i in range(2)]
+    events += [TierEvent(STORED, key(2), dram, 9)]  # other bytes: not merged into a run
+    coalesced = events_to_protos(events)
+    one_each = [event_to_proto(e) for e in events]
+    assert facts(coalesced) == facts(one_each)
+    assert [p.WhichOneof("event") for p in coalesced] == [
+        "stored", "stored", "stored", "stored", "removed", "removed", "stored"
+    ]  # fmt: skip
+    assert len(coalesced[0].stored.block_hashes) == 40
