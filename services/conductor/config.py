@@ -72,6 +72,19 @@ class ConductorConfig(TlsSettings):
     kv_events: bool = opt(
         True, "subscribe to engines' ZMQ KV event publishers found in the registry"
     )
+    replica_sync: bool = opt(
+        True,
+        "share reservations (load and optimistic blocks) with the other conductor replicas "
+        "the registry lists, over a direct stream (replica_sync.py)",
+    )
+    replica_heartbeat_s: float = opt(
+        0.25, "a replica's sync stream carries a heartbeat this often when idle"
+    )
+    replica_silence_s: float = opt(
+        1.5,
+        "a replica not heard from this long (no delta, no heartbeat) loses all the load it "
+        "reserved here, and its stream is opened again",
+    )
     seed: int = opt(0, "random seed for tie-breaks (0 = from the OS)")
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -89,6 +102,16 @@ class ConductorConfig(TlsSettings):
             raise InvalidArgument("--departed-sweep-s must be >= 0")
         if self.node_leave_grace_s < 0 and self.node_leave_grace_s != -1:
             raise InvalidArgument("--node-leave-grace-s must be >= 0, or -1 for the default")
+        if self.replica_heartbeat_s <= 0 or self.replica_silence_s <= self.replica_heartbeat_s:
+            raise InvalidArgument(
+                "--replica-heartbeat-s must be positive and below --replica-silence-s"
+            )
+        if self.temperature < 0:
+            raise InvalidArgument("--temperature must be >= 0")
+        if self.block_bytes <= 0 or self.max_blocks_per_request <= 0 or self.block_tokens <= 0:
+            raise InvalidArgument(
+                "--block-bytes, --block-tokens and --max-blocks-per-request must be positive"
+            )
         if self.temperature < 0:
             raise InvalidArgument("--temperature must be >= 0")
         if self.block_bytes <= 0 or self.max_blocks_per_request <= 0 or self.block_tokens <= 0:

@@ -14,6 +14,8 @@ import grpc
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_conductor.config import ConductorConfig
 from quillcache_conductor.events import EventRouter
+from quillcache_conductor.peer_load import PeerLoad
+from quillcache_conductor.replica_sync import ReplicaLog, ReplicaPeers, ReplicaSyncServicer
 from quillcache_conductor.servicer import ConductorServicer
 from quillcache_conductor.state import ConductorState
 from quillcache_core.index import open_index
@@ -77,6 +79,15 @@ class ConductorServer:
         self._runner = None
         self._tasks: list[asyncio.Task] = []
         self.engines_seen = asyncio.Event()
+        # The other replicas' reservations, counted here (peer_load.py, replica_sync.py).
+        self.start_time_s = time.time()
+        self.peer_load = PeerLoad(
+            self.state, clock=time.monotonic, silence_s=config.replica_silence_s
+        )
+        self.replica_log = ReplicaLog(
+            self.state, config.node_id, self.start_time_s, heartbeat_s=config.replica_heartbeat_s
+        )
+        self.replica_peers: ReplicaPeers | None = None
         self.tick_failures = 0
         # A node whose record goes keeps its residency this long (it may be back: a
         # lease lost in an etcd stall), unrouted; right after a registry outage it also
@@ -189,6 +200,30 @@ class ConductorServer:
         )
         m.gauge("stores", "live store nodes", read=lambda: [((), len(state.stores))])
         m.gauge(
+            "replica_peers_streaming",
+            "other conductor replicas whose reservations stream here",
+            read=lambda: [((), len(self.replica_peers.connected) if self.replica_peers else 0)],
+        )
+        m.gauge(
+            "replica_peer_reservations_open",
+            "reservations of other replicas counted in this one's load",
+            read=lambda: [((), self.peer_load.open_reservations())],
+        )
+        m.gauge(
+            "replica_peers_dropped_silent_total",
+            "replicas whose load was dropped here because they fell silent",
+            read=lambda: [((), self.peer_load.dropped_silent)],
+        )
+        m.gauge(
+            "replica_sync_messages_total",
+            "sync messages sent to and received from other replicas",
+            ["direction"],
+            read=lambda: [
+                (("sent",), self.replica_log.messages_sent),
+                (("received",), self.replica_peers.messages_received if self.replica_peers else 0),
+            ],
+        )
+        m.gauge(
             "plan_stream_messages_total",
             "PlanStream messages received (each answered with one message)",
             read=lambda: [((), self.servicer.stream_messages if self.servicer else 0)],
@@ -228,6 +263,11 @@ class ConductorServer:
             self.state, self.events, cfg.max_blocks_per_request, cfg.plan_alternatives
         )
         conductor_pb2_grpc.add_ConductorServicer_to_server(servicer, server)
+        if cfg.replica_sync:
+            self.state.listener = self.replica_log
+            conductor_pb2_grpc.add_ConductorReplicaServicer_to_server(
+                ReplicaSyncServicer(self.replica_log), server
+            )
         await self._load_fleet()
         if cfg.plan_port >= 0:
             self.plan_port = PlanPortServer(servicer.handle_calls, self.tls)
@@ -254,10 +294,19 @@ class ConductorServer:
                 id=cfg.node_id,
                 address=f"{cfg.advertise_host or cfg.host}:{self.grpc_port}",
                 locality_domain="",
-                start_time_s=time.time(),
+                start_time_s=self.start_time_s,
             ),
             cfg.lease_ttl_s,
         )
+        if cfg.replica_sync:
+            self.replica_peers = ReplicaPeers(
+                self.registry,
+                cfg.node_id,
+                self.tls,
+                self.peer_load,
+                silence_s=cfg.replica_silence_s,
+            )
+            self.replica_peers.start()
         await set_serving(health, [SERVICE_NAME])
         logger.info("conductor %s serving on %s:%d", cfg.node_id, cfg.host, self.grpc_port)
 
@@ -369,6 +418,7 @@ class ConductorServer:
             await asyncio.sleep(TICK_S)
             try:
                 self.state.tick()
+                self.peer_load.tick()
                 self._expire_departures()
                 now = time.monotonic()
                 if now - last_flush >= FLUSH_S:
@@ -387,6 +437,8 @@ class ConductorServer:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.replica_peers is not None:
+            await self.replica_peers.close()
         await self.events.close()
         with contextlib.suppress(Exception):
             await self.registry.deregister("conductor", self.config.node_id)

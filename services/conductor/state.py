@@ -13,6 +13,7 @@ import secrets
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
 from quillcache_core.identity.hashing import keys_from_hashes
@@ -95,6 +96,15 @@ class PlanOutcome:
     decision: PlanDecision
 
 
+class ReservationListener(Protocol):
+    """Told of every reservation opened and closed here (replica_sync.py shares them
+    with the other conductor replicas). Called on the hot path: must only queue."""
+
+    def opened(self, res: Reservation, prefill_s: float) -> None: ...
+
+    def closed(self, res: Reservation, linger_s: float, resident: bool) -> None: ...
+
+
 class ConductorState:
     """Engines and store nodes (from the registry), the residency index, live load.
 
@@ -152,6 +162,8 @@ class ConductorState:
         self._epochs: dict[str, float] = index.worker_epochs()
         # (kind, id) -> a node in its leave grace (`node_left`).
         self.departures: dict[tuple[str, str], Departure] = {}
+        # Told of each reservation opened and closed (the replicas' sync), if set.
+        self.listener: ReservationListener | None = None
 
     # --- fleet -------------------------------------------------------------------
 
@@ -297,6 +309,7 @@ class ConductorState:
                 ]:
                     res = self.reservations.pop(res_id)
                     self._release(res)
+                    self._tell_closed(res, 0.0, resident=False)
                     self._forget_optimistic(res)
             elif departure.info is not None and record.id not in self.engines:
                 self.engines[record.id] = departure.info
@@ -319,7 +332,9 @@ class ConductorState:
         self._update_block_parts()
         dropped = self.index.clear_worker(engine_id)
         for res_id in [r.id for r in self.reservations.values() if r.engine_id == engine_id]:
-            self._forget_optimistic(self.reservations.pop(res_id))
+            res = self.reservations.pop(res_id)
+            self._tell_closed(res, 0.0, resident=False)
+            self._forget_optimistic(res)
         self._forget_lingering(engine_id)
         logger.info("engine %s left; dropped %d residency records", engine_id, dropped)
         return dropped
@@ -399,6 +414,8 @@ class ConductorState:
         worker.inflight_blocks += res.blocks
         heapq.heappush(self._prefill_due, (now + decision.chosen.est_ttft_us / 1e6, res.id))
         heapq.heappush(self._expiry, (res.expires_s, res.id))
+        if self.listener is not None:
+            self.listener.opened(res, decision.chosen.est_ttft_us / 1e6)
         return PlanOutcome(res.id, decision)
 
     def _fleet(self, model_id: str, exclude: Sequence[str]) -> Fleet:
@@ -444,14 +461,18 @@ class ConductorState:
         info = self.engines.get(res.engine_id)
         success = outcome == "success"
         if success and res.optimistic and info is not None and not publishes_events(info.record):
+            self._tell_closed(res, 0.0, resident=True)
             if promote:
                 # The engine has computed them now: resident until it says otherwise.
                 self.index.put_many(res.optimistic)
         elif success and res.optimistic and self.optimistic_linger_s > 0:
             # Its events are the truth, but may still be on their way.
             self._lingering.append((self.clock() + self.optimistic_linger_s, res))
+            self._tell_closed(res, self.optimistic_linger_s, resident=False)
             self.counters.finishes[outcome] += 1
             return res.engine_id
+        else:
+            self._tell_closed(res, 0.0, resident=False)
         self._forget_optimistic(res)
         self.counters.finishes[outcome] += 1
         return res.engine_id
@@ -569,6 +590,7 @@ class ConductorState:
             res = self.reservations.pop(res_id, None)
             if res is not None:
                 self._release(res)
+                self._tell_closed(res, 0.0, resident=False)
                 self._forget_optimistic(res)
                 self.counters.reservations_expired += 1
                 logger.info("reservation %s on %s expired without Finish", res.id, res.engine_id)
@@ -625,6 +647,10 @@ class ConductorState:
             del self.optimistic[block_hash]
         elif len(kept) < len(found):
             self.optimistic[block_hash] = kept
+
+    def _tell_closed(self, res: Reservation, linger_s: float, *, resident: bool) -> None:
+        if self.listener is not None:
+            self.listener.closed(res, linger_s, resident)
 
     def _forget_lingering(self, engine_id: str) -> None:
         """Drop the overlay records finished requests left on `engine_id` (its cache is gone)."""

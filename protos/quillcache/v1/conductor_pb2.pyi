@@ -395,3 +395,63 @@ class StatsResponse(_message.Message):
     plan_address: str
     block_tokens: int
     def __init__(self, policy: _Optional[str] = ..., index_backend: _Optional[str] = ..., resident_records: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., plans: _Optional[int] = ..., events_applied: _Optional[int] = ..., events_rejected: _Optional[int] = ..., reservations_open: _Optional[int] = ..., reservations_expired: _Optional[int] = ..., engines: _Optional[_Iterable[_Union[EngineStats, _Mapping]]] = ..., guard_refusals: _Optional[int] = ..., plan_address: _Optional[str] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+
+class SyncRequest(_message.Message):
+    __slots__ = ("conductor_id",)
+    CONDUCTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    conductor_id: str
+    def __init__(self, conductor_id: _Optional[str] = ...) -> None: ...
+
+class ReservationOpened(_message.Message):
+    __slots__ = ("reservation_id", "engine_id", "prefill_tokens", "blocks", "prefill_s", "expires_s", "identity", "block_hashes", "prefix_hashes", "block_indexes", "token_counts", "bytes_per_block")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    engine_id: str
+    prefill_tokens: int
+    blocks: int
+    prefill_s: float
+    expires_s: float
+    identity: _common_pb2.Identity
+    block_hashes: _containers.RepeatedScalarFieldContainer[str]
+    prefix_hashes: _containers.RepeatedScalarFieldContainer[str]
+    block_indexes: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    bytes_per_block: int
+    def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., prefill_s: _Optional[float] = ..., expires_s: _Optional[float] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ..., prefix_hashes: _Optional[_Iterable[str]] = ..., block_indexes: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+
+class ReservationClosed(_message.Message):
+    __slots__ = ("reservation_id", "linger_s", "resident")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LINGER_S_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    linger_s: float
+    resident: bool
+    def __init__(self, reservation_id: _Optional[str] = ..., linger_s: _Optional[float] = ..., resident: _Optional[bool] = ...) -> None: ...
+
+class LoadDeltas(_message.Message):
+    __slots__ = ("conductor_id", "start_time_s", "snapshot", "opened", "closed", "heartbeat_s")
+    CONDUCTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    conductor_id: str
+    start_time_s: float
+    snapshot: bool
+    opened: _containers.RepeatedCompositeFieldContainer[ReservationOpened]
+    closed: _containers.RepeatedCompositeFieldContainer[ReservationClosed]
+    heartbeat_s: float
+    def __init__(self, conductor_id: _Optional[str] = ..., start_time_s: _Optional[float] = ..., snapshot: _Optional[bool] = ..., opened: _Optional[_Iterable[_Union[ReservationOpened, _Mapping]]] = ..., closed: _Optional[_Iterable[_Union[ReservationClosed, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...

@@ -366,3 +366,89 @@ class Conductor:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ConductorReplicaStub:
+    """Conductor replicas share their reservations: each replica opens Sync on every other
+    one the registry lists (kind "conductor") and is told, as they happen, of the
+    reservations that replica opens and closes, so each counts the others' load and
+    optimistic blocks as its own (services/conductor/replica_sync.py).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Sync = channel.unary_stream(
+                '/quillcache.v1.ConductorReplica/Sync',
+                request_serializer=quillcache_dot_v1_dot_conductor__pb2.SyncRequest.SerializeToString,
+                response_deserializer=quillcache_dot_v1_dot_conductor__pb2.LoadDeltas.FromString,
+                _registered_method=True)
+
+
+class ConductorReplicaServicer:
+    """Conductor replicas share their reservations: each replica opens Sync on every other
+    one the registry lists (kind "conductor") and is told, as they happen, of the
+    reservations that replica opens and closes, so each counts the others' load and
+    optimistic blocks as its own (services/conductor/replica_sync.py).
+    """
+
+    def Sync(self, request, context):
+        """The first message is a snapshot (every open reservation), then deltas, coalesced
+        a millisecond or so, and an empty message every heartbeat when idle.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ConductorReplicaServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Sync': grpc.unary_stream_rpc_method_handler(
+                    servicer.Sync,
+                    request_deserializer=quillcache_dot_v1_dot_conductor__pb2.SyncRequest.FromString,
+                    response_serializer=quillcache_dot_v1_dot_conductor__pb2.LoadDeltas.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'quillcache.v1.ConductorReplica', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('quillcache.v1.ConductorReplica', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ConductorReplica:
+    """Conductor replicas share their reservations: each replica opens Sync on every other
+    one the registry lists (kind "conductor") and is told, as they happen, of the
+    reservations that replica opens and closes, so each counts the others' load and
+    optimistic blocks as its own (services/conductor/replica_sync.py).
+    """
+
+    @staticmethod
+    def Sync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/quillcache.v1.ConductorReplica/Sync',
+            quillcache_dot_v1_dot_conductor__pb2.SyncRequest.SerializeToString,
+            quillcache_dot_v1_dot_conductor__pb2.LoadDeltas.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

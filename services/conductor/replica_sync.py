@@ -1,0 +1,394 @@
+"""Conductor replicas share their reservations over a direct gRPC stream.
+
+Every replica serves `ConductorReplica.Sync` and opens it on every other replica the
+registry lists (records of kind "conductor", followed as they come and go). A stream
+starts with a snapshot of the sender's open reservations, then carries each
+reservation it opens (engine, prefill tokens and their TTFT, blocks, the optimistic
+blocks) and closes (with the overlay's linger), coalesced for `flush_delay_s` (one
+message per loop turn or so under load: a PlanStream batch of 30 plans is one
+message), and an empty heartbeat every `heartbeat_s` when idle. The receiver counts
+them in `PeerLoad` as its own. A stream silent for `silence_s` is dropped with all the
+load it brought, then opened again (a fresh snapshot); a replica that left the
+registry loses its load at once.
+
+Why a stream between replicas and not etcd or a message bus: a plan is answered in
+about a millisecond and the next plan on the other replica may come a millisecond
+later; a write to etcd per reservation is a Raft commit and an fsync (several
+milliseconds, thousands per second on the cluster's one coordination service, the
+very process whose stalls issue 18 is about), and NATS (Dynamo's way) is another
+process to run, secure and keep alive. The registry already lists the replicas with
+leases, and the stream reuses the cluster's mutual TLS and role guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from functools import partial
+
+import grpc
+
+from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+from quillcache_conductor.peer_load import ClosedLoad, OpenedLoad, PeerLoad
+from quillcache_conductor.state import ConductorState, Reservation
+from quillcache_core.model import CacheResidency, CacheTier, KvBlockKey
+from quillcache_core.security.tls import Tls, grpc_channel
+
+logger = logging.getLogger(__name__)
+
+QUEUE_MAX = 4096  # messages waiting for one slow receiver; beyond, its stream is ended
+_new_key = partial(tuple.__new__, KvBlockKey)
+_new_record = partial(tuple.__new__, CacheResidency)
+
+
+def _opened_to_proto(
+    res_id: str,
+    engine_id: str,
+    prefill_tokens: int,
+    blocks: int,
+    prefill_s: float,
+    expires_s: float,
+    records: list,
+) -> conductor_pb2.ReservationOpened:
+    msg = conductor_pb2.ReservationOpened(
+        reservation_id=res_id,
+        engine_id=engine_id,
+        prefill_tokens=prefill_tokens,
+        blocks=blocks,
+        prefill_s=max(0.0, prefill_s),
+        expires_s=max(0.0, expires_s),
+    )
+    if records:
+        key = records[0][0]
+        identity = msg.identity
+        identity.model_id = key.model_id
+        identity.tokenizer_id = key.tokenizer_id
+        if key.adapter_id is not None:
+            identity.adapter_id = key.adapter_id
+        identity.tenant_id = key.tenant_id
+        msg.bytes_per_block = records[0][3]
+        previous = None
+        hashes, parents, indexes, counts = [], [], [], []
+        for record in records:
+            key = record[0]
+            hashes.append(key.block_hash)
+            parents.append("" if key.prefix_hash == previous else key.prefix_hash)
+            indexes.append(key.block_index)
+            counts.append(key.token_count)
+            previous = key.block_hash
+        msg.block_hashes.extend(hashes)
+        msg.prefix_hashes.extend(parents)
+        msg.block_indexes.extend(indexes)
+        msg.token_counts.extend(counts)
+    return msg
+
+
+def opened_from_proto(msg: conductor_pb2.ReservationOpened) -> OpenedLoad:
+    """A peer's reservation as this replica keys its overlay records (the same keys the
+    peer's planner made: one identity, each block's parent)."""
+    records: list[CacheResidency] = []
+    n = len(msg.block_hashes)
+    if n and len(msg.prefix_hashes) == n == len(msg.block_indexes) == len(msg.token_counts):
+        identity = msg.identity
+        adapter = identity.adapter_id if identity.HasField("adapter_id") else None
+        head = (identity.model_id, identity.tokenizer_id, adapter, identity.tenant_id)
+        engine = msg.engine_id
+        hbm = CacheTier.HBM
+        nbytes = msg.bytes_per_block
+        previous = ""
+        for block_hash, parent, index, tokens in zip(
+            msg.block_hashes, msg.prefix_hashes, msg.block_indexes, msg.token_counts, strict=True
+        ):
+            key = _new_key((*head, parent or previous, block_hash, index, tokens))
+            records.append(_new_record((key, engine, hbm, nbytes, 0, 0, False)))
+            previous = block_hash
+    return OpenedLoad(
+        reservation_id=msg.reservation_id,
+        engine_id=msg.engine_id,
+        prefill_tokens=msg.prefill_tokens,
+        blocks=msg.blocks,
+        prefill_s=msg.prefill_s,
+        expires_s=msg.expires_s,
+        records=records,
+    )
+
+
+class ReplicaLog:
+    """This replica's reservations as they open and close, sent to every peer that
+    streams them (the state's listener and the `ConductorReplica` servicer)."""
+
+    def __init__(
+        self,
+        state: ConductorState,
+        node_id: str,
+        start_time_s: float,
+        *,
+        flush_delay_s: float = 0.001,
+        heartbeat_s: float = 0.25,
+    ) -> None:
+        self.state = state
+        self.node_id = node_id
+        self.start_time_s = start_time_s
+        self.flush_delay_s = flush_delay_s
+        self.heartbeat_s = heartbeat_s
+        self._subscribers: dict[int, asyncio.Queue] = {}
+        self._next_id = 0
+        self._opened: list[tuple] = []
+        self._closed: list[conductor_pb2.ReservationClosed] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self.messages_sent = 0
+        self.overflows = 0
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
+
+    # --- the state's listener (hot path: queue only) -------------------------------------
+
+    def opened(self, res: Reservation, prefill_s: float) -> None:
+        if not self._subscribers:
+            return
+        self._opened.append(
+            (
+                res.id,
+                res.engine_id,
+                res.prefill_tokens,
+                res.blocks,
+                prefill_s,
+                self.state.reservation_ttl_s,
+                res.optimistic,  # the list itself: a close rebinds, never clears it
+            )
+        )
+        self._schedule()
+
+    def closed(self, res: Reservation, linger_s: float, resident: bool) -> None:
+        if not self._subscribers:
+            return
+        self._closed.append(
+            conductor_pb2.ReservationClosed(
+                reservation_id=res.id, linger_s=linger_s, resident=resident
+            )
+        )
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if self._flush_handle is None:
+            loop = asyncio.get_running_loop()
+            self._flush_handle = loop.call_later(self.flush_delay_s, self.flush)
+
+    def flush(self) -> None:
+        """Send what was queued to every subscriber, as one message."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if not self._opened and not self._closed:
+            return
+        message = self._message(
+            opened=[_opened_to_proto(*item) for item in self._opened], closed=self._closed
+        )
+        self._opened, self._closed = [], []
+        for queue in self._subscribers.values():
+            self._offer(queue, message)
+
+    def _offer(self, queue: asyncio.Queue, message) -> None:
+        try:
+            queue.put_nowait(message)
+        except asyncio.QueueFull:  # a receiver this far behind starts again from a snapshot
+            self.overflows += 1
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(None)
+
+    def _message(self, *, snapshot: bool = False, opened=(), closed=()) -> conductor_pb2.LoadDeltas:
+        return conductor_pb2.LoadDeltas(
+            conductor_id=self.node_id,
+            start_time_s=self.start_time_s,
+            snapshot=snapshot,
+            opened=opened,
+            closed=closed,
+            heartbeat_s=self.heartbeat_s,
+        )
+
+    def snapshot(self) -> conductor_pb2.LoadDeltas:
+        """Every open reservation, with what remains of its prefill time and TTL."""
+        state = self.state
+        now = state.clock()
+        due = {res_id: at for at, res_id in state._prefill_due}
+        opened = [
+            _opened_to_proto(
+                res.id,
+                res.engine_id,
+                0 if res.prefill_released else res.prefill_tokens,
+                res.blocks,
+                due.get(res.id, now) - now,
+                res.expires_s - now,
+                res.optimistic,
+            )
+            for res in state.reservations.values()
+        ]
+        return self._message(snapshot=True, opened=opened)
+
+    # --- the servicer --------------------------------------------------------------------
+
+    async def Sync(self, request, context):  # noqa: N802 (a gRPC method)
+        self.flush()  # what happened before the snapshot is in it: older news to the others
+        queue: asyncio.Queue = asyncio.Queue(QUEUE_MAX)
+        self._next_id += 1
+        sub_id = self._next_id
+        first = self.snapshot()
+        self._subscribers[sub_id] = queue
+        logger.info(
+            "conductor %s streams our reservations (%d open)",
+            request.conductor_id or "?",
+            len(first.opened),
+        )
+        try:
+            yield first
+            self.messages_sent += 1
+            while True:
+                try:
+                    message = await asyncio.wait_for(queue.get(), self.heartbeat_s)
+                except TimeoutError:
+                    message = self._message()
+                if message is None:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "too far behind: open Sync again for a snapshot",
+                    )
+                yield message
+                self.messages_sent += 1
+        finally:
+            self._subscribers.pop(sub_id, None)
+
+
+class ReplicaSyncServicer(conductor_pb2_grpc.ConductorReplicaServicer):
+    def __init__(self, log: ReplicaLog) -> None:
+        self.log = log
+
+    async def Sync(self, request, context):  # noqa: N802 (a gRPC method)
+        async for message in self.log.Sync(request, context):
+            yield message
+
+
+class ReplicaPeers:
+    """Streams the reservations of every other replica the registry lists into
+    `peer_load` (see the module doc)."""
+
+    def __init__(
+        self,
+        registry,
+        node_id: str,
+        tls: Tls | None,
+        peer_load: PeerLoad,
+        *,
+        silence_s: float = 2.0,
+        retry_max_s: float = 0.5,
+    ) -> None:
+        self.registry = registry
+        self.node_id = node_id
+        self.tls = tls
+        self.peer_load = peer_load
+        self.silence_s = silence_s
+        self.retry_max_s = retry_max_s
+        self._streams: dict[str, tuple[str, asyncio.Task]] = {}  # peer id -> (address, task)
+        self._watch: asyncio.Task | None = None
+        self.messages_received = 0
+        self.connected: set[str] = set()
+
+    def start(self) -> None:
+        self._watch = asyncio.create_task(self._follow(), name="replica-peers")
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                async for event in self.registry.watch("conductor"):
+                    record = event.record
+                    if record.id == self.node_id:
+                        continue
+                    if event.type == "leave":
+                        await self._stop(record.id)
+                        self.peer_load.drop_peer(record.id, why="left the registry")
+                        continue
+                    known = self._streams.get(record.id)
+                    if known is not None and known[0] == record.address:
+                        continue
+                    await self._stop(record.id)
+                    if record.address:
+                        task = asyncio.create_task(
+                            self._sync(record.id, record.address), name=f"sync-{record.id}"
+                        )
+                        self._streams[record.id] = (record.address, task)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("watching the conductor replicas failed; watching again")
+                await asyncio.sleep(0.5)
+
+    async def _stop(self, peer_id: str) -> None:
+        known = self._streams.pop(peer_id, None)
+        if known is not None:
+            known[1].cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await known[1]
+        self.connected.discard(peer_id)
+
+    async def _sync(self, peer_id: str, address: str) -> None:
+        delay_s = 0.05
+        quiet = False
+        while True:
+            try:
+                async with grpc_channel(address, self.tls) as channel:
+                    stub = conductor_pb2_grpc.ConductorReplicaStub(channel)
+                    call = stub.Sync(conductor_pb2.SyncRequest(conductor_id=self.node_id))
+                    while True:
+                        try:
+                            message = await asyncio.wait_for(call.read(), self.silence_s)
+                        except TimeoutError:
+                            call.cancel()
+                            self.peer_load.drop_peer(peer_id, why="its stream fell silent")
+                            raise ConnectionError(f"silent for {self.silence_s}s") from None
+                        if message is grpc.aio.EOF:
+                            raise ConnectionError("stream ended")
+                        self._apply(peer_id, message)
+                        if peer_id not in self.connected:
+                            self.connected.add(peer_id)
+                            logger.info("streaming the reservations of conductor %s", peer_id)
+                            delay_s, quiet = 0.05, False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the peer is away: try again soon
+                self.connected.discard(peer_id)
+                (logger.debug if quiet else logger.info)(
+                    "reservations of conductor %s at %s: %s; trying again",
+                    peer_id,
+                    address,
+                    _detail(exc),
+                )
+                quiet = True
+            await asyncio.sleep(delay_s)
+            delay_s = min(2 * delay_s, self.retry_max_s)
+
+    def _apply(self, peer_id: str, message: conductor_pb2.LoadDeltas) -> None:
+        self.messages_received += 1
+        self.peer_load.apply(
+            peer_id,
+            message.start_time_s,
+            snapshot=message.snapshot,
+            opened=[opened_from_proto(m) for m in message.opened],
+            closed=[ClosedLoad(m.reservation_id, m.linger_s, m.resident) for m in message.closed],
+        )
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+        for peer_id in list(self._streams):
+            await self._stop(peer_id)
+
+
+def _detail(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc) or type(exc).__name__

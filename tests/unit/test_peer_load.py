@@ -1,0 +1,100 @@
+"""A peer replica's reservations, sent through the wire format and counted in this
+replica's load and overlay: they release at the peer's close, linger as it asks, and
+expire when the peer falls silent or its reservation's TTL passes."""
+
+from __future__ import annotations
+
+import pytest
+
+from quillcache_conductor.peer_load import ClosedLoad, PeerLoad
+from quillcache_conductor.replica_sync import _opened_to_proto, opened_from_proto
+from quillcache_conductor.state import OPTIMISTIC_LINGER_S
+from tests.unit.factories import make_request
+from tests.unit.test_conductor_optimistic import make_state
+
+
+class Wire:
+    """A's listener: each open and close goes to B's PeerLoad through the protos."""
+
+    def __init__(self, peers: PeerLoad) -> None:
+        self.peers = peers
+
+    def opened(self, res, prefill_s: float) -> None:
+        msg = _opened_to_proto(
+            res.id, res.engine_id, res.prefill_tokens, res.blocks, prefill_s, 300.0, res.optimistic
+        )
+        self.peers.apply("a", 1.0, snapshot=False, opened=[opened_from_proto(msg)])
+
+    def closed(self, res, linger_s: float, resident: bool) -> None:
+        self.peers.apply("a", 1.0, snapshot=False, closed=[ClosedLoad(res.id, linger_s, resident)])
+
+
+def pair(events: bool = True, silence_s: float = 2.0):
+    a, clock = make_state(events)
+    b, _ = make_state(events)
+    b.clock = a.clock = clock
+    peers = PeerLoad(b, clock=clock, silence_s=silence_s)
+    a.listener = Wire(peers)
+    return a, b, peers, clock
+
+
+def load(state, engine: str) -> tuple[int, int, int]:
+    w = state.engines[engine].state
+    return w.inflight_requests, w.queued_prefill_tokens, w.inflight_blocks
+
+
+def test_a_plan_on_a_counts_on_b_and_its_finish_releases_it():
+    a, b, peers, clock = pair()
+    outcome = a.plan(make_request(8))
+    engine = outcome.decision.engine.id
+    assert load(b, engine) == load(a, engine)
+    assert load(b, engine)[0] == 1 and load(b, engine)[2] == 8
+    # B's repeat of the prompt goes where A's is about to be computed, and hits.
+    repeat = b.plan(make_request(8))
+    assert (repeat.decision.engine.id, repeat.decision.chosen.hit_blocks) == (engine, 8)
+    b.finish(repeat.reservation_id, "cancelled")
+    clock.now += 1.0
+    peers.tick()
+    assert load(b, engine)[1] == 0, "prefill released after the plan's TTFT"
+    a.finish(outcome.reservation_id, "success")
+    assert load(b, engine) == (0, 0, 0)
+    # The overlay lingers (the engine's events are on their way), then goes.
+    probe = b.plan(make_request(8))
+    assert probe.decision.chosen.hit_blocks == 8
+    b.finish(probe.reservation_id, "cancelled")
+    clock.now += OPTIMISTIC_LINGER_S + 0.1
+    peers.tick()
+    assert not b.optimistic
+
+
+def test_without_events_a_success_makes_the_blocks_resident_on_b():
+    a, b, peers, _ = pair(events=False)
+    outcome = a.plan(make_request(8))
+    a.finish(outcome.reservation_id, "success")
+    assert not b.optimistic
+    assert b.index.worker_block_count(outcome.decision.engine.id) == 8
+
+
+@pytest.mark.parametrize("how", ["silence", "snapshot", "restart", "ttl"])
+def test_a_peers_load_never_sticks(how):
+    a, b, peers, clock = pair(silence_s=2.0)
+    outcome = a.plan(make_request(8))
+    engine = outcome.decision.engine.id
+    assert load(b, engine)[0] == 1
+    if how == "silence":
+        clock.now += 1.0
+        peers.tick()
+        assert load(b, engine)[0] == 1, "a short silence keeps it"
+        clock.now += 1.5
+    elif how == "snapshot":
+        peers.apply("a", 1.0, snapshot=True)  # a's open reservations: none
+    elif how == "restart":
+        peers.apply("a", 2.0, snapshot=False)  # another run of a
+    else:
+        for _ in range(4):  # heartbeats keep a alive, but its reservation's TTL ends
+            clock.now += 100.0
+            peers.apply("a", 1.0, snapshot=False)
+    peers.tick()
+    assert load(b, engine) == (0, 0, 0)
+    assert not b.optimistic
+    assert peers.open_reservations() == 0
