@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from quillcache_bench.fleetsim.figures import check_goals, summarise
+from quillcache_bench.fleetsim.oracle import OraclePolicy
 from quillcache_bench.fleetsim.sim import FleetConfig, FleetSim, HbmCache
 from quillcache_bench.fleetsim.workloads import (
     MODEL_ID,
@@ -26,25 +27,28 @@ TINY = FleetConfig(
     engines=4, stores=2, domains=2, hbm_blocks=512, dram_bytes=256 << 21, ssd_bytes=512 << 21
 )
 N = 60
+POLICIES = (*POLICY_NAMES, "oracle")
 
 
-def _run(workload: str, policy: str, rate_x: float = 0.5, seed: int = 3, config=TINY):
-    wl = make_workload(workload, N, seed)
+def _policy(name: str):
+    return OraclePolicy(CostModel()) if name == "oracle" else make_policy(name, CostModel())
+
+
+def _run(workload: str, policy: str, rate_x: float = 0.5, seed: int = 3, config=TINY, n=N):
+    wl = make_workload(workload, n, seed)
     rate = rate_x * wl.saturation_rate(config.engines, config.cost_model)
-    sim = FleetSim(
-        config, make_policy(policy, CostModel()), wl.requests, wl.arrivals_us(rate, seed), seed=seed
-    )
+    sim = FleetSim(config, _policy(policy), wl.requests, wl.arrivals_us(rate, seed), seed=seed)
     return sim, sim.run()
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return {(w, p): _run(w, p) for w in WORKLOAD_NAMES for p in POLICY_NAMES}
+    return {(w, p): _run(w, p) for w in WORKLOAD_NAMES for p in POLICIES}
 
 
 @pytest.mark.parametrize("workload", WORKLOAD_NAMES)
 def test_every_prompt_token_is_hit_fetched_or_recomputed(runs, workload):
-    for policy in POLICY_NAMES:
+    for policy in POLICIES:
         _, run = runs[workload, policy]
         assert np.all(run.hit_tokens >= 0) and np.all(run.fetch_tokens >= 0)
         assert np.all(run.recompute_tokens >= 0)
@@ -58,7 +62,7 @@ def test_every_prompt_token_is_hit_fetched_or_recomputed(runs, workload):
 
 @pytest.mark.parametrize("workload", WORKLOAD_NAMES)
 def test_every_request_completes_exactly_once_and_load_returns_to_zero(runs, workload):
-    for policy in POLICY_NAMES:
+    for policy in POLICIES:
         sim, run = runs[workload, policy]
         assert run.completed == N == len(run.arrival_us)
         assert int(run.served.sum()) == N
@@ -78,8 +82,8 @@ def test_every_request_completes_exactly_once_and_load_returns_to_zero(runs, wor
 
 @pytest.mark.parametrize("workload", WORKLOAD_NAMES)
 def test_policies_serve_the_same_request_set(runs, workload):
-    first = runs[workload, POLICY_NAMES[0]][1]
-    for policy in POLICY_NAMES[1:]:
+    first = runs[workload, POLICIES[0]][1]
+    for policy in POLICIES[1:]:
         run = runs[workload, policy][1]
         np.testing.assert_array_equal(run.arrival_us, first.arrival_us)
         np.testing.assert_array_equal(run.prompt_tokens, first.prompt_tokens)
@@ -108,7 +112,7 @@ def test_tiers_are_exercised(runs):
 
 
 def test_same_seed_same_figures():
-    for policy in ("quillcache", "sglang"):
+    for policy in ("quillcache", "sglang", "llm-d", "oracle"):
         _, a = _run("chat", policy)
         _, b = _run("chat", policy)
         for field in (
@@ -223,3 +227,28 @@ def test_goals_are_computed_against_the_others():
     assert goals["mean TTFT <= 0.8x best reference"]["met"] is True  # 0.67x llm-d
     assert goals["goodput >= best reference + 10 points"]["met"] is False  # +5 points
     assert goals["max/mean load <= 1.5"]["met"] is False
+
+
+def test_the_oracle_knows_where_the_cache_is():
+    # Perfect information: at least as many hit and fetched tokens as any router that
+    # ignores the cache, and a lower mean TTFT than round robin under load.
+    _, oracle = _run("docqa", "oracle", rate_x=1.0, n=120)
+    _, rr = _run("docqa", "round-robin", rate_x=1.0, n=120)
+    reused = lambda r: int(r.hit_tokens.sum() + r.fetch_tokens.sum())  # noqa: E731
+    assert reused(oracle) > reused(rr)
+    assert summarise(oracle, 800)["ttft_mean_ms"] < summarise(rr, 800)["ttft_mean_ms"]
+
+
+def test_the_oracle_is_a_goal_of_its_own_not_a_reference():
+    base = {"ttft_mean_ms": 100.0, "goodput": 0.5, "load_max_over_mean": 1.0}
+    figures = {
+        "quillcache": {**base, "ttft_mean_ms": 26.0},
+        "round-robin": base,
+        "oracle": {**base, "ttft_mean_ms": 20.0},
+    }
+    goals = {g["goal"]: g for g in check_goals(figures)}
+    assert goals["mean TTFT <= 0.8x best reference"]["detail"] == "0.26x round-robin"
+    assert goals["mean TTFT <= 1.3x oracle"]["met"] is True  # 1.30x
+    figures["oracle"]["ttft_mean_ms"] = 19.0
+    goals = {g["goal"]: g for g in check_goals(figures)}
+    assert goals["mean TTFT <= 1.3x oracle"]["met"] is False

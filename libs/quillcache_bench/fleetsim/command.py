@@ -25,6 +25,7 @@ from pathlib import Path
 
 from quillcache_bench.common import Progress, render_table, write_results
 from quillcache_bench.fleetsim.figures import OURS, check_goals, summarise
+from quillcache_bench.fleetsim.oracle import OraclePolicy
 from quillcache_bench.fleetsim.sim import GIB, FleetConfig, FleetSim
 from quillcache_bench.fleetsim.workloads import (
     KV_BYTES_PER_TOKEN,
@@ -37,6 +38,8 @@ from quillcache_core.model import CostModel, SloTarget
 from quillcache_core.routing.references import POLICY_NAMES, make_policy
 
 DEFAULT_RATES = "0.1,0.25,0.5,0.75,1.0,1.25"
+# Every router of the library, plus the oracle (perfect information; simulator only).
+BENCH_POLICIES = (*POLICY_NAMES, "oracle")
 
 MODELLING_NOTES = [
     "Saturation (1.0x) = engines / (min prefill tokens per request x prefill_us_per_token), "
@@ -53,7 +56,14 @@ MODELLING_NOTES = [
     "is measured but not added to the simulated TTFT.",
     "Load: the router's in-flight count per engine (queued included), averaged over the "
     "run's span; goal uses max/mean across engines.",
-    "Best reference: the best of every other policy in the run.",
+    "Best reference: the best of every other policy in the run except the oracle.",
+    "Oracle: knows every engine's HBM, queue and the store nodes' contents exactly and "
+    "sends each request where its own TTFT is lowest (fetching from any node); greedy "
+    "per request, so a limit of routing with perfect information, not of scheduling.",
+    "References see only what they see in reality: Dynamo its KV events and its own "
+    "active-block/prefill tracking; llm-d KV events, its speculative entries and "
+    "metrics scraped every 50 ms; SGLang its tree of routed prompts and its own "
+    "in-flight counts (see routing/references.py).",
     "Plan latency: wall-clock of plan_request inside a worker process; with --jobs > 1 "
     "the runs share the machine's cores, so it is an upper bound.",
     "ttft_est_mean_ms (JSON): our cost function's TTFT estimate for the chosen engine at "
@@ -87,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument(
         "--workloads", default=",".join(WORKLOAD_NAMES), help="comma-separated workloads"
     )
-    work.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated")
+    work.add_argument("--policies", default=",".join(BENCH_POLICIES), help="comma-separated")
     work.add_argument("--requests", type=int, default=1500, help="requests per run")
     work.add_argument(
         "--rates", default=DEFAULT_RATES, help="request rates as multiples of saturation"
@@ -162,7 +172,7 @@ def _run_one(task: tuple) -> tuple:
     arrivals = wl.arrivals_us(rate, seed)
     run = FleetSim(
         config,
-        make_policy(policy, _router_cost_model(policy, config.cost_model)),
+        bench_policy(policy, config.cost_model),
         wl.requests,
         arrivals,
         seed=seed,
@@ -187,7 +197,7 @@ def _simulate(args: argparse.Namespace) -> int:
     started = time.monotonic()
     config = fleet_config(args)
     workloads = _names(args.workloads, WORKLOAD_NAMES, "--workloads")
-    policies = _names(args.policies, POLICY_NAMES, "--policies")
+    policies = _names(args.policies, BENCH_POLICIES, "--policies")
     rates = _rates(args.rates)
     if args.requests <= 0:
         raise InvalidArgument("--requests must be positive")
@@ -463,6 +473,13 @@ def _plot(info, results, workloads, policies, rates, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def bench_policy(name: str, cost_model: CostModel):
+    """A fresh policy for one simulation: a library router by name, or the oracle."""
+    if name == "oracle":
+        return OraclePolicy(cost_model)
+    return make_policy(name, _router_cost_model(name, cost_model))
 
 
 def _router_cost_model(policy: str, cost_model):

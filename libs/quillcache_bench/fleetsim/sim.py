@@ -53,6 +53,7 @@ from quillcache_core.model import MIB, CacheResidency, CacheTier, CostModel, Wor
 from quillcache_core.routing.actions import ActionKind, BlockAction
 from quillcache_core.routing.decide import plan_request, record_optimistic
 from quillcache_core.routing.policy import Fleet, Policy
+from quillcache_core.routing.references import EngineMetrics
 
 GIB = 1024 * MIB
 MAX_ENGINES = 256
@@ -239,6 +240,7 @@ class _Engine:
         "load_area",
         "load_t",
         "served",
+        "busy_until",
     )
 
     def __init__(self, n: int, state: WorkerState, store: StoreNode, hbm: HbmCache) -> None:
@@ -255,6 +257,7 @@ class _Engine:
         self.load_area = 0.0  # integral of in-flight requests over time (request-µs)
         self.load_t = 0.0
         self.served = 0
+        self.busy_until = 0.0  # when the prefill in progress ends
 
 
 @dataclass
@@ -346,6 +349,16 @@ class FleetSim:
         self.engine_by_id = {e.state.id: e for e in self.engines}
         self.fleet = Fleet([e.state for e in self.engines], {s.id: s.domain for s in store_list})
         self.decode_slowdown_us = self.cm.running_decode_penalty_us / config.decode_slowdown_divisor
+        # A router that tracks requests itself hears their lifecycle, as in reality: the
+        # clock at each decision, each first token and each end, and (if it scrapes
+        # engine metrics) a scrape at the first decision after each interval.
+        self.hooks = policy if hasattr(policy, "bind_lifecycle") else None
+        if self.hooks is not None:
+            policy.bind_lifecycle()
+        if hasattr(policy, "bind_sim"):  # the oracle reads the fleet's true state
+            policy.bind_sim(self)
+        self._scrape_every = float(getattr(policy, "scrape_interval_us", 0.0) or 0.0)
+        self._next_scrape = 0.0
 
         n = len(requests)
         self._events: list[tuple] = []
@@ -397,6 +410,12 @@ class FleetSim:
 
     def _arrive(self, i: int, now: float) -> None:
         shape = self.requests[i].shape
+        hooks = self.hooks
+        if hooks is not None:
+            hooks.observe_time(now)
+            if self._scrape_every and now >= self._next_scrape:
+                hooks.observe_metrics(self.engine_metrics())
+                self._next_scrape = (now // self._scrape_every + 1) * self._scrape_every
         start = self.plan_clock()
         decision = plan_request(self.index, self.policy, shape, self.fleet, self.rng)
         self.plan_s[i] = self.plan_clock() - start
@@ -431,7 +450,10 @@ class FleetSim:
             del eng.queue[: head + 1]
             self._queue_head[eng.n] = 0
         eng.busy = True
-        self._push(now + self._execute(eng, i), 0, eng.n, i)
+        eng.busy_until = now + self._execute(eng, i)
+        if self.hooks is not None:
+            self.hooks.observe_prefill_start(self.requests[i].shape.id, eng.state.id)
+        self._push(eng.busy_until, 0, eng.n, i)
 
     def _execute(self, eng: _Engine, i: int) -> float:
         """Run request i's plan against the fleet as it is now; returns the prefill µs."""
@@ -476,6 +498,8 @@ class FleetSim:
     def _prefill_done(self, eng: _Engine, i: int, now: float) -> None:
         self.first_token_us[i] = now
         state = eng.state
+        if self.hooks is not None:
+            self.hooks.observe_first_token(self.requests[i].shape.id, state.id)
         state.queued_prefill_tokens -= self._reserved[i]
         blocks = self.requests[i].shape.blocks
         inserted, evicted = eng.hbm.admit(blocks)
@@ -528,6 +552,8 @@ class FleetSim:
             raise RuntimeError(f"request {i} completed twice")
         self.done_us[i] = now
         self.completed += 1
+        if self.hooks is not None:
+            self.hooks.observe_finished(self.requests[i].shape.id, eng.state.id)
         eng.served += 1
         blocks = self.requests[i].shape.blocks
         self._evicted(eng, eng.hbm.release(blocks))
@@ -545,6 +571,16 @@ class FleetSim:
         for key in keys:
             self.index.remove_tier(me, key.block_hash, _HBM)
             eng.store.offload(key)
+
+    def engine_metrics(self) -> dict[str, EngineMetrics]:
+        """Each engine's scrape: requests waiting for prefill, share of HBM pinned."""
+        heads = self._queue_head
+        return {
+            e.state.id: EngineMetrics(
+                len(e.queue) - heads[e.n], min(1.0, e.hbm.pinned / e.hbm.capacity)
+            )
+            for e in self.engines
+        }
 
     def _load_mark(self, eng: _Engine, now: float) -> None:
         eng.load_area += eng.state.inflight_requests * (now - eng.load_t)
