@@ -38,4 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_bench.fleetsim.command",
         "our planner vs Dynamo, llm-d, SGLang, round robin, least-loaded on a simulated fleet",
     ),
+    "bench-live": (
+        "quillcache_bench.live_bench",
+        "live TTFT vs the real sglang-router and vllm-router in front of the same engines",
+    ),
 }

@@ -16,6 +16,12 @@ _COST = CostModel()
 class SimEngineConfig(TlsSettings):
     host: str = opt("127.0.0.1", "address to bind the HTTP and ZMQ sockets on")
     port: int = opt(0, "HTTP port: OpenAI API, /health, /metrics (0 = a free port)")
+    plain_http_port: int = opt(
+        -1,
+        "benchmarks only: an extra plain-HTTP listener on --host with no TLS and no "
+        "engine credential, for reference routers that cannot present a client "
+        "certificate (-1 = none, 0 = a free port); never advertised in the registry",
+    )
     advertise_host: str = opt(
         "", "host other nodes use to reach this engine (default: --host, 0.0.0.0 -> 127.0.0.1)"
     )
@@ -75,6 +81,8 @@ class SimEngineConfig(TlsSettings):
         for flag, value in positive.items():
             if value <= 0:
                 raise InvalidArgument(f"{flag} must be positive, got {value}")
+        if self.plain_http_port < -1:
+            raise InvalidArgument("--plain-http-port must be -1 (none), 0 (free) or a port")
         if self.time_scale < 0:
             raise InvalidArgument("--time-scale must be >= 0")
         if self.prefill_us_per_token < 0 or self.decode_us_per_token < 0:

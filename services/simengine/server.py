@@ -121,6 +121,7 @@ class SimEngineServer:
         self._register_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
+        self.plain_port = 0  # the --plain-http-port listener's port, 0 = none
         self.started_at = time.time()
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -185,6 +186,12 @@ class SimEngineServer:
         )
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - no accessor
+        if self.config.plain_http_port >= 0:
+            plain = web.TCPSite(
+                self._runner, self.config.host, self.config.plain_http_port, shutdown_timeout=1.0
+            )
+            await plain.start()
+            self.plain_port = plain._server.sockets[0].getsockname()[1]  # noqa: SLF001
         if self.registry is not None:
             self._register_task = asyncio.get_running_loop().create_task(
                 self._register_until_done(self.registry), name="register"
@@ -214,11 +221,17 @@ class SimEngineServer:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    @property
+    def plain_url(self) -> str:
+        """The benchmarks' plain-HTTP listener ('' when there is none)."""
+        return f"http://{self.config.public_host}:{self.plain_port}" if self.plain_port else ""
+
     def ready_line(self) -> str:
         events, replay = self.publisher.endpoints(self.config.public_host)
+        plain = f" plain_http={self.plain_url}" if self.plain_port else ""
         return (
             f"READY sim-engine http={self.base_url} kv_events={events} replay={replay} "
-            f"metrics={self.base_url}"
+            f"metrics={self.base_url}{plain}"
         )
 
     async def stop(self) -> None:
@@ -313,16 +326,22 @@ class SimEngineServer:
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
-        """With TLS, everything but OPEN_PATHS wants the engine credential."""
+        """With TLS, everything but OPEN_PATHS wants the engine credential (not on the
+        benchmarks' --plain-http-port listener, which asks for nothing)."""
         if (
             self._auth
             and request.path not in OPEN_PATHS
+            and not self._on_plain_listener(request)
             and not hmac.compare_digest(
                 request.headers.get("Authorization", "").encode(), self._auth.encode()
             )
         ):
             raise ApiError(401, "this engine serves only the gateway: bad or no credential")
         return await handler(request)
+
+    def _on_plain_listener(self, request: web.Request) -> bool:
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        return bool(self.plain_port) and bool(sockname) and sockname[1] == self.plain_port
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:

@@ -1,0 +1,275 @@
+"""`quillcache bench-live [--quick]`: QuillCache against the real sglang-router and
+vllm-router, live, in front of the same engines.
+
+One set of engines runs for the whole benchmark: the local cluster as `quillcache up`
+starts it (etcd, conductor, two store nodes, transfer, gateway; mutual TLS, the engine
+credential), with 4 sim engines (or, with `--engine vllm`, real vLLM servers on CPU).
+Each system in turn gets the same seeded workloads (chat, docqa, mix; see
+`live_workloads`) at a light and a heavy request rate:
+
+- `quillcache`: the cluster's gateway (HTTPS, tenants' API keys), as deployed;
+- `sglang-router-cache_aware`, `sglang-router-round_robin`: the real sglang-router
+  0.3.2 with its defaults (cache threshold 0.3, balance thresholds 64 and 1.5, ...);
+- `vllm-router-cache_aware`, `vllm-router-consistent_hash`: the real vllm-router 0.1.17,
+  defaults likewise; consistent_hash keys on the `X-Session-ID` header every request
+  carries (the conversation, or the document asked about);
+- `round-robin`: vllm-router's round_robin.
+
+The routers speak plain HTTP to workers; vllm-router has no client-certificate or CA
+flags, so neither router is given the engines' mutual-TLS port: each sim engine opens a
+second, plain listener (`--plain-http-port`, loopback, no credential) that the routers
+use, while the gateway keeps using the engines' TLS port. Same engines, same caches,
+same counters. With `--engine vllm` (vLLM has one port) the whole cluster runs
+`--insecure` for everyone.
+
+Before each run every engine's prefix cache is emptied, and every prompt of a run opens
+with a nonce of that run, so no system inherits another's cache (the stores included).
+Per run: TTFT (send to first content chunk, streaming) mean/p50/p99, completed
+requests per second, errors, the engines' served requests max/mean and cached prompt
+token share (from the engines' own counters), and the control path's CPU seconds
+(gateway + conductor for QuillCache, the router process for the others; /proc).
+Writes bench/results/live-<UTC>.json, live-latest.json and live-latest.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from quillcache_bench.common import Progress, write_results
+from quillcache_bench.live_report import goals, goals_text, plot, summarise, table
+from quillcache_bench.live_systems import (
+    ROUTERS,
+    SYSTEMS,
+    Engine,
+    start_router,
+    tree_cpu_s,
+)
+from quillcache_bench.live_workloads import WORKLOADS, Target, drive, make_sessions
+from quillcache_bench.secure import tenant_context
+from quillcache_core.errors import InvalidArgument
+
+LOADS = ("light", "heavy")
+TENANTS = [f"tenant-{i}" for i in range(8)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="quillcache bench-live",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help="short runs: under 6 minutes on 2 cores")
+    p.add_argument("--engine", choices=("sim", "vllm"), default="sim", help="the engines")
+    p.add_argument("--engines", type=int, default=4, help="engines (default 4)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="sim engines' compute time multiplier: 1.0 = the cost model's real time "
+        "(45 us a prompt token, 80 us an output token); `quillcache up` uses 0.02",
+    )
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    p.add_argument("--loads", default=",".join(LOADS), help="comma-separated: light, heavy")
+    p.add_argument("--light-rps", type=float, default=3.0, help="light load, requests/s")
+    p.add_argument("--heavy-rps", type=float, default=8.0, help="heavy load, requests/s")
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=0.0,
+        help="seconds of arrivals per run (default 30, 5 with --quick)",
+    )
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--data-dir", default="", help="cluster data and logs (default: a temp dir)")
+    return p
+
+
+def _names(text: str, known, what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise InvalidArgument(f"--{what}: unknown {unknown}; choose from {', '.join(known)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    systems = _names(args.systems, SYSTEMS, "systems")
+    workloads = _names(args.workloads, WORKLOADS, "workloads")
+    loads = _names(args.loads, LOADS, "loads")
+    duration = args.duration_s or (5.0 if args.quick else 30.0)
+    rates = {"light": args.light_rps, "heavy": args.heavy_rps}
+    cells = [(w, load) for w in workloads for load in loads]
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        data_dir = Path(
+            args.data_dir
+            or stack.enter_context(tempfile.TemporaryDirectory(prefix="quillcache-live-"))
+        )
+        print(f"starting {args.engines} {args.engine} engines and QuillCache in {data_dir}")
+        cluster, endpoints = _start_cluster(args, data_dir)
+        stack.callback(cluster.stop)
+        engines = _engines(cluster, args.engine)
+        model = cluster.model
+        control = {c.name: c.proc.pid for c in cluster.children if c.proc is not None}
+        ours = [control["gateway"], control["conductor"]]
+        everything_ours = [pid for name, pid in control.items() if not name.startswith("engine")]
+        quillcache = Target(
+            endpoints["gateway_url"], tenant_context(endpoints), endpoints["api_keys"], model
+        )
+        print(
+            f"up in {time.monotonic() - started:.0f}s; {len(systems)} systems x {len(cells)} runs"
+        )
+        results: dict[tuple[str, str], dict] = {}
+        details: dict[tuple[str, str], dict] = {}
+        total = len(systems) * len(cells)
+        done = 0
+        for system in systems:
+            router = None
+            if system != "quillcache":
+                router = start_router(system, [e.url for e in engines], data_dir / "logs")
+            try:
+                target = quillcache if router is None else Target(router.url, None, {}, model)
+                pids = ours if router is None else [router.proc.pid]
+                for workload, load in cells:
+                    done += 1
+                    label = f"[{done}/{total}] {system} {workload}/{load}"
+                    figures, detail = _run(
+                        args, system, workload, load, rates[load], duration, target, engines,
+                        pids, everything_ours, label,
+                    )  # fmt: skip
+                    results.setdefault((workload, load), {})[system] = figures
+                    details.setdefault((workload, load), {})[system] = detail
+                    print(
+                        f"{label}: TTFT mean {figures['ttft_mean_ms']:.1f} ms, "
+                        f"errors {figures['errors']}, load max/mean "
+                        f"{figures['load_max_over_mean']:.2f}, cached "
+                        f"{100 * figures['cached_token_share']:.0f}%, CPU "
+                        f"{figures['control_cpu_s']:.2f} s ({time.monotonic() - started:.0f}s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            finally:
+                if router is not None:
+                    router.stop()
+    runs = [
+        {"workload": w, "load": load, "systems": results[(w, load)]}
+        for w, load in cells
+        if (w, load) in results
+    ]
+    _report(args, runs, details, rates, duration, time.monotonic() - started)
+    return 0
+
+
+def _start_cluster(args, data_dir: Path):
+    from quillcache_core.launch.cluster import ClusterError, LocalCluster
+
+    options = (
+        {i: {"sim_args": ["--plain-http-port", "0"]} for i in range(args.engines)}
+        if args.engine == "sim"
+        else {}
+    )
+    cluster = LocalCluster(
+        data_dir,
+        engines=args.engines,
+        stores=2,
+        time_scale=args.time_scale,
+        engine_kind=args.engine,
+        model="sim-model" if args.engine == "sim" else "tiny",
+        engine_options=options,
+        # Real vLLM has one port, and the routers cannot present client certificates:
+        # with vLLM every system, ours included, runs in plaintext.
+        insecure=args.engine == "vllm",
+        log=lambda *_: None,
+    )
+    cluster.api_keys = {t: f"qc-{t}-{hashlib.sha256(t.encode()).hexdigest()[:12]}" for t in TENANTS}
+    try:
+        endpoints = cluster.start(timeout_s=120.0)
+    except ClusterError as exc:
+        raise SystemExit(f"quillcache bench-live: the cluster did not start: {exc}") from None
+    return cluster, endpoints
+
+
+def _engines(cluster, kind: str) -> list[Engine]:
+    out = []
+    for child in cluster.children:
+        if not child.name.startswith("engine-") or child.name.endswith("-registration"):
+            continue
+        if kind == "sim":
+            out.append(Engine(child.name, child.fields["plain_http"], "sim"))
+        else:
+            out.append(Engine(child.name, child.fields["http"], "vllm"))
+    return out
+
+
+def _run(
+    args, system, workload, load, rate, duration, target, engines, pids, ours_all, label
+) -> tuple[dict, dict]:
+    for engine in engines:
+        engine.reset_cache()
+    time.sleep(0.3)  # the conductor applies the engines' AllBlocksCleared
+    cell = f"{workload}/{load}/{args.seed}"
+    nonce = hashlib.sha256(f"{system}|{cell}".encode()).hexdigest()[:12]
+    seed = int(hashlib.sha256(cell.encode()).hexdigest()[:8], 16)
+    n = max(4, round(rate * duration))
+    sessions = make_sessions(workload, n, rate, seed, nonce, think_scale=1.0)
+    before = [e.counters() for e in engines]
+    cpu0, all0 = tree_cpu_s(pids), tree_cpu_s(ours_all)
+    progress = Progress(label, n)
+    samples = asyncio.run(
+        drive(target, sessions, on_done=progress.advance, cutoff_s=max(3 * duration, 20.0))
+    )
+    cpu1, all1 = tree_cpu_s(pids), tree_cpu_s(ours_all)
+    served = [e.counters().minus(b) for e, b in zip(engines, before, strict=True)]
+    figures = summarise(samples, served, cpu1 - cpu0)
+    detail = {
+        "requests": len(samples),
+        "served_per_engine": [c.requests for c in served],
+        "quillcache_processes_cpu_s": round(all1 - all0, 3),
+        "first_errors": [s.error for s in samples if s.error][:3],
+    }
+    return figures, detail
+
+
+def _report(args, runs, details, rates, duration, elapsed) -> None:
+    print()
+    print(table(runs))
+    found = goals(runs)
+    print()
+    print(goals_text(found))
+    payload = {
+        "runs": runs,
+        "goals": found,
+        "details": [
+            {"workload": w, "load": load, "systems": systems}
+            for (w, load), systems in details.items()
+        ],
+        "config": {
+            "quick": args.quick,
+            "engine": args.engine,
+            "engines": args.engines,
+            "time_scale": args.time_scale,
+            "rates_rps": rates,
+            "duration_s": duration,
+            "seed": args.seed,
+            "routers": {name: list(spec) for name, spec in ROUTERS.items()},
+            "elapsed_s": round(elapsed, 1),
+        },
+    }
+    path = write_results("live", payload, args.out_dir)
+    png = plot(runs, path.with_suffix(".png"))
+    shutil.copy(png, png.with_name("live-latest.png"))
+    print(f"\nwrote {path} and {png} (also live-latest.*) in {elapsed:.0f}s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""`quillcache bench-live`'s workloads as text, and the client that drives them.
+
+Three seeded workloads, each a list of sessions with start times (Poisson over the
+requested request rate) and the turns each session sends:
+
+- chat: 8 tenants of Zipf popularity, each with its own system prompt (400-1,000
+  words); conversations of 2-5 turns, each turn sending the whole conversation so far
+  with the engine's real answers (as `fleetsim.live` does), a short think time between
+  turns;
+- docqa: 4 tenants; long documents (1,500-3,500 words) that several users ask about: a
+  pool of 6 open documents, 3-8 questions each, each question a request of its own
+  (instruction, document, question);
+- mix: the two at once over 6 tenants, half the sessions each.
+
+The builtin tokenizer of the sim engine counts a word and the space after it as two
+tokens. The text is made of words `w<n>`; a run's `nonce` opens every prompt, so two
+runs (two systems, two cells) never share a block and each system starts cold.
+
+The client sends OpenAI chat requests (streaming) with the tenant's API key and an
+`X-Session-ID` header naming the session (the conversation, or the document asked
+about): the header vLLM router's consistent_hash keys on; the other systems ignore it.
+TTFT is from sending the request to the first chunk with content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from quillcache_core.errors import InvalidArgument
+
+WORKLOADS = ("chat", "docqa", "mix")
+REQUEST_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Turn:
+    user: str  # the user's message
+    max_tokens: int
+    think_s: float  # pause before this turn (after the previous answer)
+
+
+@dataclass(frozen=True)
+class Session:
+    tenant: str
+    session_id: str
+    start_s: float
+    system: str
+    turns: tuple[Turn, ...]
+
+
+@dataclass
+class Sample:
+    tenant: str
+    sent_s: float = 0.0  # perf_counter at send
+    ttft_s: float | None = None
+    done_s: float = 0.0
+    ok: bool = False
+    error: str = ""
+
+
+def _words(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(f"w{rng.randrange(5000)}" for _ in range(rng.randint(low, high)))
+
+
+def make_sessions(
+    name: str, n_requests: int, rate_rps: float, seed: int, nonce: str, think_scale: float = 1.0
+) -> list[Session]:
+    """The sessions of workload `name` with `n_requests` turns in all, starting as a
+    Poisson process whose request rate is `rate_rps` (sessions arrive at that rate
+    divided by the mean turns a session). Deterministic for (name, n, seed, nonce)."""
+    if name not in WORKLOADS:
+        raise InvalidArgument(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if n_requests <= 0 or rate_rps <= 0:
+        raise InvalidArgument("requests and rate must be positive")
+    rng = random.Random(f"{name}/{seed}")
+    head = f"[{nonce}] "
+    if name == "chat":
+        sessions = _chat(rng, n_requests, head, [f"tenant-{i}" for i in range(8)], think_scale)
+    elif name == "docqa":
+        sessions = _docqa(rng, n_requests, head, [f"tenant-{i}" for i in range(4)])
+    else:
+        tenants = [f"tenant-{i}" for i in range(6)]
+        chat_rng, doc_rng = random.Random(rng.random()), random.Random(rng.random())
+        sessions = _chat(chat_rng, max(1, n_requests // 2), head, tenants, think_scale)
+        chat_turns = sum(len(s.turns) for s in sessions)
+        if n_requests > chat_turns:
+            sessions += _docqa(doc_rng, n_requests - chat_turns, head, tenants)
+        rng.shuffle(sessions)
+    turns = sum(len(s.turns) for s in sessions)
+    session_rate = rate_rps * len(sessions) / turns
+    start = 0.0
+    timed = []
+    for s in sessions:
+        start += rng.expovariate(session_rate)
+        timed.append(Session(s.tenant, s.session_id, start, s.system, s.turns))
+    return timed
+
+
+def _chat(rng, n, head, tenants, think_scale) -> list[Session]:
+    weights = [1.0 / (i + 1) for i in range(len(tenants))]
+    system = {
+        t: head + f"You are the assistant of {t}. " + _words(random.Random(f"sys/{t}"), 400, 1000)
+        for t in tenants
+    }
+    out = []
+    while n > 0:
+        tenant = rng.choices(tenants, weights)[0]
+        count = min(n, rng.randint(2, 5))
+        n -= count
+        turns = tuple(
+            Turn(_words(rng, 20, 80), rng.randint(32, 96), rng.uniform(0.1, 0.5) * think_scale)
+            for _ in range(count)
+        )
+        out.append(Session(tenant, f"conv-{len(out)}", 0.0, system[tenant], turns))
+    return out
+
+
+def _docqa(rng, n, head, tenants) -> list[Session]:
+    instruction = {
+        t: head + f"You answer {t}'s questions about documents. " + _words(rng, 50, 150)
+        for t in tenants
+    }
+    open_docs: list[list] = []  # [tenant, doc id, text, questions left]
+    made = 0
+    out = []
+    for _ in range(n):
+        while len(open_docs) < 6:
+            tenant = rng.choice(tenants)
+            open_docs.append([tenant, f"doc-{made}", _words(rng, 1500, 3500), rng.randint(3, 8)])
+            made += 1
+        doc = rng.choice(open_docs)
+        question = f"Document:\n{doc[2]}\n\nQuestion: {_words(rng, 8, 30)}?"
+        out.append(
+            Session(
+                doc[0],
+                doc[1],
+                0.0,
+                instruction[doc[0]],
+                (Turn(question, rng.randint(20, 100), 0.0),),
+            )
+        )
+        doc[3] -= 1
+        if doc[3] == 0:
+            open_docs.remove(doc)
+    return out
+
+
+@dataclass
+class Target:
+    """Where a system takes requests: its base URL, how to verify it, each tenant's key."""
+
+    url: str
+    ssl_context: ssl.SSLContext | None
+    api_keys: dict[str, str] = field(default_factory=dict)
+    model: str = "sim-model"
+
+
+async def drive(
+    target: Target,
+    sessions: list[Session],
+    *,
+    on_done: Callable[[], None] = lambda: None,
+    cutoff_s: float = float("inf"),
+) -> list[Sample]:
+    """Run every session against `target`; a turn that would start after `cutoff_s`
+    (seconds from the start) is not sent. Returns one sample per request sent."""
+    samples: list[Sample] = []
+    connector = aiohttp.TCPConnector(
+        limit=0, ssl=target.ssl_context if target.ssl_context is not None else False
+    )
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        began = time.perf_counter()
+
+        async def run(session: Session) -> None:
+            await asyncio.sleep(max(0.0, session.start_s - (time.perf_counter() - began)))
+            messages = [{"role": "system", "content": session.system}]
+            for turn in session.turns:
+                if turn.think_s:
+                    await asyncio.sleep(turn.think_s)
+                if time.perf_counter() - began > cutoff_s:
+                    return
+                messages.append({"role": "user", "content": turn.user})
+                sample, answer = await _one(http, target, session, messages, turn.max_tokens)
+                samples.append(sample)
+                on_done()
+                messages.append({"role": "assistant", "content": answer or "ok"})
+
+        await asyncio.gather(*(run(s) for s in sessions))
+    return samples
+
+
+async def _one(http, target: Target, session: Session, messages, max_tokens) -> tuple[Sample, str]:
+    sample = Sample(session.tenant)
+    key = target.api_keys.get(session.tenant, "none")
+    headers = {"Authorization": f"Bearer {key}", "X-Session-ID": session.session_id}
+    body = {
+        "model": target.model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    parts: list[str] = []
+    sample.sent_s = time.perf_counter()
+    try:
+        async with http.post(
+            f"{target.url}/v1/chat/completions", json=body, headers=headers
+        ) as reply:
+            if reply.status != 200:
+                sample.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
+            else:
+                async for raw in reply.content:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        sample.ok = not sample.error
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        sample.error = str(chunk["error"])[:200]
+                        continue
+                    for choice in chunk.get("choices") or []:
+                        text = (choice.get("delta") or {}).get("content") or ""
+                        if text:
+                            if sample.ttft_s is None:
+                                sample.ttft_s = time.perf_counter() - sample.sent_s
+                            parts.append(text)
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        sample.error = repr(exc)[:200]
+    sample.done_s = time.perf_counter()
+    if sample.ok and sample.ttft_s is None:
+        sample.ok = False
+        sample.error = "stream ended without content"
+    return sample, "".join(parts)

@@ -1,0 +1,75 @@
+"""`quillcache bench-live`'s plumbing where it can break for real: a secure sim engine's
+plain listener (open to a router, while the TLS port still wants the credential), the
+real sglang-router started in front of it, a tiny workload through it, the engine's
+counters and the router's CPU read back, and the results' JSON shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from quillcache_bench.live_report import FIELDS, goals, summarise, table
+from quillcache_bench.live_systems import Engine, start_router, tree_cpu_s
+from quillcache_bench.live_workloads import Target, drive, make_sessions
+from tests.support.services import ServiceProcess
+from tests.support.tls import client_context
+
+pytestmark = pytest.mark.integration
+
+
+class PlainSimEngine(ServiceProcess):
+    def __init__(self, log_dir: Path) -> None:
+        super().__init__(
+            "sim-engine",
+            ["--registry", "", "--plain-http-port", "0", "--time-scale", "0.02"],
+            log_dir,
+        )
+
+    def _serving(self) -> bool:
+        with urllib.request.urlopen(self.fields["plain_http"] + "/health", timeout=1.0) as r:
+            return r.status == 200
+
+
+def test_a_tiny_run_through_the_real_sglang_router(tmp_path: Path) -> None:
+    engine = PlainSimEngine(tmp_path).start(timeout_s=20.0)
+    try:
+        plain = engine.fields["plain_http"]
+        # The TLS port still refuses a caller without the engine credential.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(
+                engine.fields["http"] + "/v1/models", timeout=5.0, context=client_context()
+            )
+        assert refused.value.code == 401
+        sim = Engine("engine-0", plain)
+        assert sim.reset_cache()
+        router = start_router("sglang-router-round_robin", [plain], tmp_path)
+        try:
+            before = sim.counters()
+            cpu0 = tree_cpu_s([router.proc.pid])
+            sessions = make_sessions("docqa", 3, 20.0, seed=1, nonce="test")
+            samples = asyncio.run(asyncio.wait_for(drive(Target(router.url, None), sessions), 30.0))
+            cpu1 = tree_cpu_s([router.proc.pid])
+            served = [sim.counters().minus(before)]
+        finally:
+            router.stop()
+    finally:
+        engine.stop()
+    assert [s.error for s in samples] == ["", "", ""]
+    assert served[0].requests == 3
+    assert served[0].prompt_tokens > 3 * 3000  # three questions on documents of 1,500+ words
+    figures = summarise(samples, served, cpu1 - cpu0)
+    assert set(figures) == set(FIELDS)
+    assert figures["errors"] == 0 and figures["load_max_over_mean"] == 1.0
+    assert 0 < figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
+    assert figures["control_cpu_s"] >= 0
+    runs = [
+        {"workload": "docqa", "load": "light", "systems": {"sglang-router-round_robin": figures}}
+    ]
+    assert json.loads(json.dumps({"runs": runs})) == {"runs": runs}
+    assert "sglang-router-round_robin" in table(runs)
+    assert goals(runs) == []  # no quillcache row, no goal to judge
