@@ -150,7 +150,7 @@ def stack(tmp_path_factory):
         print(f"stack serving {time.monotonic() - started:.1f}s after the start")
         yield s
     except BaseException:
-        for service in ("etcd", "etcd-auth", "conductor", "gateway"):
+        for service in ("etcd", "etcd-auth", "conductor", "conductor-1", "gateway"):
             print(s.podman("logs", "--tail", "20", s.container(service), check=False).stderr)
         raise
     finally:
@@ -198,17 +198,32 @@ def test_a_restarted_store_container_has_its_blocks(stack):
     assert after["ssd_blocks"] >= before["ssd_blocks"] > 0, (before, after)
 
 
-def test_requests_are_served_while_the_conductor_container_is_killed(stack):
+def test_requests_are_planned_while_one_conductor_container_is_killed(stack):
+    """Two conductor replicas: with one killed, the other plans every request (no
+    fallback routing), and the dead one comes back."""
     client = stack.client()
+    wait_until(
+        lambda: (
+            stack.podman(
+                "healthcheck", "run", stack.container("conductor-1"), check=False
+            ).returncode
+            == 0
+        ),
+        timeout_s=60,
+        interval_s=0.5,
+        what="conductor-1 healthy (serving with the fleet loaded)",
+    )
     _, pid = stack.state("conductor")
     os.kill(pid, 9)  # a crash, not a stop: the restart policy brings it back
-    served = []
+    served, plans = [], []
     for n in range(10):
         reply = client.completions.with_raw_response.create(
             model=MODEL, prompt=f"during the outage {n}", max_tokens=2
         )
         served.append(reply.http_response.status_code)
+        plans.append(reply.headers.get("x-quillcache-plan", "planned"))
     assert served == [200] * 10
+    assert plans == ["planned"] * 10, "conductor-1 plans while conductor is down"
     wait_until(
         lambda: stack.state("conductor")[0] == "running" and stack.state("conductor")[1] != pid,
         timeout_s=30,

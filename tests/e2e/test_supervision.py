@@ -1,7 +1,8 @@
 """`quillcache up` supervises its processes: kill -9 any of them and it is started again
-on the same address, with backoff, and logged; a restarted conductor reopens its LMDB
-index and plans with hits again within seconds, while the gateway routes by itself
-meanwhile (no client error)."""
+on the same address, with backoff, and logged. With two conductor replicas (the
+default), kill -9 of one under 40 requests/s costs at most 0.5% of the requests and
+none later than 1 s after the kill (the other plans them), and the killed one is back
+on its address within 15 s, reopens its LMDB index and plans with hits again."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tests.support.services import wait_until
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 MODEL = "sim-model"
-RATE = 20  # requests per second
+RATE = 40  # requests per second
 REPEATED = "You answer questions about the QuillCache supervisor. " * 12
 
 
@@ -39,6 +40,7 @@ def cluster(tmp_path_factory):
         time_scale=0.02,
         lease_ttl_s=2.0,
         supervise=True,
+        conductors=2,
         log=lambda *parts: lines.append(" ".join(map(str, parts))),
     )
     endpoints = lc.start()
@@ -175,19 +177,21 @@ def test_a_killed_conductor_is_back_on_its_address_and_plans_hits_again(cluster)
     finally:
         load.stop()
     failed = load.failed()
+    late = [r for r in failed if r[0] > killed + 1.0]
     print(
         f"conductor: back on {endpoints['conductor']} {back_s:.2f}s after kill -9, planning "
-        f"{planned_s:.2f}s after; {len(load.results)} requests, {len(failed)} failed, "
-        f"{load.fallbacks()} routed by the gateway"
+        f"{planned_s:.2f}s after; {len(load.results)} requests, {len(failed)} failed "
+        f"({len(late)} more than 1 s after the kill), {load.fallbacks()} routed by the gateway"
     )
     assert back_s < 15
+    assert len(load.results) > RATE * 3
+    assert len(failed) <= 0.005 * len(load.results), failed[:5]
+    assert late == [], late[:5]
     # The prompt's blocks computed before the kill are hits again (the last, partly
     # generated one aside): the reopened LMDB index, and the engines' event replay.
     computed = int(first.headers["x-quillcache-recompute-blocks"])
     assert int(again.headers["x-quillcache-hit-blocks"]) >= computed - 1 > 0, dict(again.headers)
-    # (Either engine may hold them by now: during the outage the gateway's own routing
-    # may have sent the repeated prompt to the other engine too.)
-    assert failed == [], failed[:5]
+    # (Either engine may hold them by now.)
     assert any(
         re.fullmatch(r"supervisor: conductor exited with -9, restarting in 0\.5s \(restart 1\)", x)
         for x in lines

@@ -41,6 +41,7 @@ HTTP_COMMANDS = ("sim-engine", "gateway")
 COMPOSE_SERVICES = {
     "etcd": None,
     "conductor": "conductor",
+    "conductor-1": "conductor",
     "store-0": "store",
     "store-1": "store",
     "transfer": "transfer",
@@ -329,12 +330,13 @@ def test_compose_depends_on_healthy_services() -> None:
     order = {
         "etcd-auth": {"etcd", "certs"},
         "conductor": {"etcd", "etcd-auth"},
-        "store-0": {"conductor"},
-        "store-1": {"conductor"},
+        "conductor-1": {"etcd", "etcd-auth"},
+        "store-0": {"conductor", "conductor-1"},
+        "store-1": {"conductor", "conductor-1"},
         "transfer": {"store-0", "store-1"},
         "engine-0": {"store-0", "conductor"},
         "engine-1": {"store-1", "conductor"},
-        "gateway": {"conductor", "engine-0", "engine-1"},
+        "gateway": {"conductor", "conductor-1", "engine-0", "engine-1"},
     }
     for name, needs in order.items():
         assert needs <= set(services[name]["depends_on"]), name
@@ -362,14 +364,15 @@ def test_compose_addresses_point_at_the_right_services() -> None:
         assert env["QC_PORT"].isdigit(), name
         if "QC_REGISTRY" in env:
             assert env["QC_REGISTRY"] == "https://etcd:2379", name
-        if "QC_CONDUCTOR" in env:
-            assert serves(*env["QC_CONDUCTOR"].split(":")), name
+        for address in env.get("QC_CONDUCTOR", "").split(",") if "QC_CONDUCTOR" in env else ():
+            assert serves(*address.split(":")), name
         # What a node registers in etcd must resolve on the compose network.
         if "QC_ADVERTISE_HOST" in flag_envs(command):
             assert env.get("QC_ADVERTISE_HOST") == name, name
-    # The conductor registers its bind address, so whoever needs it is told where it is.
+    # Both conductor replicas, named: the stores report to each, the gateway plans on either.
     for name in ("store-0", "store-1", "gateway"):
-        assert envs[name]["QC_CONDUCTOR"] == "conductor:50051", name
+        assert envs[name]["QC_CONDUCTOR"] == "conductor:50051,conductor-1:50051", name
+    assert envs["conductor"]["QC_NODE_ID"] != envs["conductor-1"]["QC_NODE_ID"]
     stores = {name: env for name, env in envs.items() if COMPOSE_SERVICES[name] == "store"}
     assert {env["QC_NODE_ID"] for env in stores.values()} == set(stores)
     paired = set()
@@ -439,7 +442,7 @@ def test_compose_volumes_hold_the_data_dirs() -> None:
             env = compose_env(service)
             if COMPOSE_SERVICES.get(name) == "store":
                 assert env["QC_DATA_DIR"] == target, name
-            if name == "conductor":
+            if COMPOSE_SERVICES.get(name) == "conductor":
                 assert env["QC_INDEX_PATH"].startswith(target + "/")
     assert {"store-0", "store-1"} <= set(used.values())
 
@@ -483,6 +486,16 @@ def test_k8s_has_the_local_cluster_layout(k8s_objects: list[dict]) -> None:
     assert (
         statefulsets["store"]["spec"]["replicas"] >= statefulsets["sim-engine"]["spec"]["replicas"]
     ), "sim engine N offloads to store N"
+    # Two conductor replicas, each its own registry id; stores and the gateway find them
+    # through the registry (a Service would pin each client to one replica).
+    conductor = deployments["conductor"]["spec"]
+    assert conductor["replicas"] >= 2
+    env = {e["name"]: e for e in conductor["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["QC_NODE_ID"]["value"] == "$(POD_NAME)"
+    for workload in (deployments["gateway"], statefulsets["store"]):
+        names = {e["name"] for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert "QC_CONDUCTOR" not in names
     secrets = by_kind(k8s_objects, "Secret")
     keys = secrets["quillcache-api-keys"]["stringData"]["QC_API_KEYS"]
     assert {pair.split("=")[0] for pair in keys.split(",")} == {"acme", "globex"}

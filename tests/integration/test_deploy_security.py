@@ -83,6 +83,7 @@ NETWORK_MATRIX = {
     ("gateway", "conductor", 7200),
     ("sim-engine", "conductor", 50051),
     ("store", "conductor", 50051),
+    ("conductor", "conductor", 50051),  # the replicas' reservation sync
     *{
         (src, "store", port)
         for src in ("sim-engine", "transfer", "store")

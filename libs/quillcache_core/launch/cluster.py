@@ -99,8 +99,9 @@ class LocalCluster:
         (`quillcache certs`), and etcd its users and roles, unless `insecure`.
         With `supervise`, a process that dies once the cluster is up is restarted on
         its address (`supervisor`); `self.supervisor.restarts` lists the restarts.
-        `conductors` replicas each get every store's residency and the engines' events;
-        the gateway spreads plans over them (they do not share reservations yet)."""
+        `conductors` replicas each get every store's residency and the engines' events,
+        and stream each other's reservations (replica_sync.py); the gateway spreads
+        plans over them. `quillcache up` starts two; tests ask for what they need."""
         if engine_kind not in ("sim", "vllm"):
             raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
         if engines < 1 or stores < 1 or conductors < 1:
@@ -586,11 +587,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--conductors",
         type=int,
-        default=1,
-        help="conductor replicas (each sees every store's residency and engine's events; "
-        "the gateway spreads plans over them and retries on another when one fails). "
-        "Default 1: replicas do not share reservations or load yet, so several may pile "
-        "work onto the same engine",
+        default=2,
+        help="conductor replicas (each sees every store's residency and engine's events, "
+        "and counts the others' reservations as its own; the gateway spreads plans over "
+        "them and retries on another at once when one fails)",
     )
     parser.add_argument(
         "--lease-ttl-s", type=float, default=3.0, help="registry lease TTL of every node"
