@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.index import BACKENDS
 from quillcache_core.process.settings import opt
+from quillcache_core.routing.disagg import DisaggSettings
 from quillcache_core.routing.references import POLICY_NAMES
 from quillcache_core.security.tls import TlsSettings
 
@@ -85,6 +86,21 @@ class ConductorConfig(TlsSettings):
         "a replica not heard from this long (no delta, no heartbeat) loses all the load it "
         "reserved here, and its stream is opened again",
     )
+    disagg: str = opt(
+        "auto",
+        "prefill/decode disaggregation: auto (split or colocated per request from the cost "
+        "model, or as a request asks), off (never split)",
+        choices=("auto", "off"),
+    )
+    disagg_min_decode_tokens: int = opt(
+        32, "requests expecting fewer output tokens stay colocated (disagg auto)"
+    )
+    disagg_margin: float = opt(
+        0.1, "a split must be at least this share cheaper than colocated (disagg auto)"
+    )
+    disagg_bytes_per_s: float = opt(
+        500e6, "store-to-store bandwidth assumed until the gateways' transfers measure it"
+    )
     seed: int = opt(0, "random seed for tie-breaks (0 = from the OS)")
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -96,6 +112,12 @@ class ConductorConfig(TlsSettings):
             )
         if self.reservation_ttl_s <= 0:
             raise InvalidArgument("--reservation-ttl-s must be positive")
+        if self.disagg_min_decode_tokens < 0 or not 0 <= self.disagg_margin < 1:
+            raise InvalidArgument(
+                "--disagg-min-decode-tokens must be >= 0 and --disagg-margin in [0, 1)"
+            )
+        if not self.disagg_bytes_per_s > 0:
+            raise InvalidArgument("--disagg-bytes-per-s must be positive")
         if self.lease_ttl_s <= 0:
             raise InvalidArgument("--lease-ttl-s must be positive")
         if self.departed_sweep_s < 0:
@@ -112,9 +134,11 @@ class ConductorConfig(TlsSettings):
             raise InvalidArgument(
                 "--block-bytes, --block-tokens and --max-blocks-per-request must be positive"
             )
-        if self.temperature < 0:
-            raise InvalidArgument("--temperature must be >= 0")
-        if self.block_bytes <= 0 or self.max_blocks_per_request <= 0 or self.block_tokens <= 0:
-            raise InvalidArgument(
-                "--block-bytes, --block-tokens and --max-blocks-per-request must be positive"
-            )
+
+    def disagg_settings(self) -> DisaggSettings:
+        return DisaggSettings(
+            enabled=self.disagg == "auto",
+            min_decode_tokens=self.disagg_min_decode_tokens,
+            margin=self.disagg_margin,
+            default_bytes_per_s=self.disagg_bytes_per_s,
+        )

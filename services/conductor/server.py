@@ -12,6 +12,7 @@ import time
 import grpc
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
+from quillcache_conductor import split
 from quillcache_conductor.config import ConductorConfig
 from quillcache_conductor.events import EventRouter
 from quillcache_conductor.peer_load import PeerLoad
@@ -66,6 +67,7 @@ class ConductorServer:
             max_blocks_per_request=config.max_blocks_per_request,
             block_tokens=config.block_tokens,
         )
+        split.configure(self.state, config.disagg_settings())
         self.metrics = MetricsRegistry()
         self.events = EventRouter(self.state, self.metrics, subscribe_zmq=config.kv_events)
         self._register_metrics()

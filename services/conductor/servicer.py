@@ -12,6 +12,7 @@ import grpc
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_conductor.events import EventRouter
+from quillcache_conductor.split import plan_split, transfer_measured
 from quillcache_conductor.state import ConductorState
 from quillcache_core.errors import InvalidArgument, QuillCacheError
 from quillcache_core.identity.hashing import ROOT_PARENT
@@ -172,7 +173,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             block_tokens_total=total,
             max_others=request.max_others if request.HasField("max_others") else None,
         )
-        outcome = self.state.plan(shape, request.exclude_engines)
+        outcome = plan_split(self.state, shape, request.exclude_engines, request.disagg or "auto")
         decision = outcome.decision
         chosen = decision.chosen
         request_blocks = shape.blocks
@@ -211,8 +212,23 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self._add_runs(reply, decision.actions, request_blocks)
         else:
             self._add_actions(reply, decision.actions)
+        if outcome.split is not None:
+            self._add_split(reply, outcome)
         reply.plan_us = int((time.perf_counter() - start) * 1e6)
         return reply
+
+    def _add_split(self, reply, outcome) -> None:
+        """Prefill/decode disaggregation: the plan's prefill engine, and why (or why not)."""
+        split = outcome.split
+        reply.disagg = "split" if split.split else "colocated"
+        reply.disagg_reason = split.reason
+        if not split.split or split.prefill is None:
+            return
+        reply.prefill_engine_id = split.prefill.id
+        reply.prefill_engine_base_url = split.prefill.base_url
+        reply.prefill_reservation_id = outcome.prefill_reservation_id
+        reply.prefill_store_node = split.prefill.store_node_id or ""
+        reply.decode_store_node = outcome.decision.engine.store_node_id or ""
 
     def _source(self, action) -> dict:
         if not action.source_node:
@@ -275,6 +291,8 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 observe = self._keys(
                     scope_from_proto(request.identity), request.observe_blocks, "Finish"
                 )
+        if request.transfer_bytes_per_s > 0:
+            transfer_measured(self.state, request.transfer_bytes, request.transfer_bytes_per_s)
         engine_id = self.state.finish(request.reservation_id, outcome, promote=not observe)
         if observe and engine_id in self.state.engines:
             self.state.observe(engine_id, observe)

@@ -27,6 +27,7 @@ from quillcache_core.model import (
     WorkerState,
 )
 from quillcache_core.registry import NodeRecord
+from quillcache_core.routing import disagg
 from quillcache_core.routing.actions import action_runs
 from quillcache_core.routing.decide import plan_request
 from quillcache_core.routing.policy import Fleet, PlanDecision, Policy
@@ -94,6 +95,9 @@ class Counters:
 class PlanOutcome:
     reservation_id: str
     decision: PlanDecision
+    # Prefill/decode disaggregation: the choice, and the prefill's own reservation.
+    split: disagg.SplitChoice | None = None
+    prefill_reservation_id: str = ""
 
 
 class ReservationListener(Protocol):
@@ -162,6 +166,9 @@ class ConductorState:
         self._epochs: dict[str, float] = index.worker_epochs()
         # (kind, id) -> a node in its leave grace (`node_left`).
         self.departures: dict[tuple[str, str], Departure] = {}
+        # Prefill/decode disaggregation (split.py): knobs and measured store bandwidth.
+        self.disagg_settings = disagg.DisaggSettings()
+        self.bandwidth = disagg.Bandwidth(self.disagg_settings.default_bytes_per_s)
         # Told of each reservation opened and closed (the replicas' sync), if set.
         self.listener: ReservationListener | None = None
 
@@ -434,6 +441,9 @@ class ConductorState:
             for info in self.engines.values()
             if info.state.id not in excluded and _serves(info.record, model_id)
         ]
+        # A prefill-only engine never decodes while another engine can (disagg.py).
+        if any(self.engines[e.id].record.role != "prefill" for e in engines):
+            engines = [e for e in engines if self.engines[e.id].record.role != "prefill"]
         if not engines:
             raise NodeUnavailable(
                 f"no engine available for model {model_id!r}"

@@ -58,6 +58,12 @@ class SimEngineConfig(TlsSettings):
         "memory", "NodeRegistry: 'memory', '' (none) or an etcd URL like http://127.0.0.1:2379"
     )
     locality_domain: str = opt("local", "locality domain (rack, host) of this engine")
+    role: str = opt(
+        "both",
+        "part in prefill/decode disaggregation: prefill (writes every prompt's blocks to its "
+        "store node before answering), decode, or both",
+        choices=("prefill", "decode", "both"),
+    )
     lease_ttl_s: float = opt(3.0, "lease TTL of this engine's registry record")
     seed: int = opt(0, "seed of the engine's block hashes (0 = random per start, like vLLM)")
     max_body_bytes: int = opt(32 * 1024 * 1024, "largest request body accepted")

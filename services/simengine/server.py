@@ -149,6 +149,7 @@ class SimEngineServer:
             version=VERSION,
             start_time_s=self.started_at,
             block_size=c.block_size,
+            role=c.role,
             extra={
                 "engine_kind": "mock",
                 "hbm_blocks": c.hbm_blocks,

@@ -94,7 +94,8 @@ class LocalCluster:
         `engine_options[i]` overrides engine i: "model" (served name), "vllm_args"
         (extra server flags), "tokenizer" (its record's), "events_port", and
         "kv_events_endpoint" (registered instead of the engine's own, e.g. a proxy),
-        "connector" (False: no QuillCache KV connector); a sim engine's "sim_args".
+        "connector" (False: no QuillCache KV connector), "role" (prefill, decode or both,
+        for prefill/decode disaggregation); a sim engine's "sim_args".
         Every port demands mutual TLS with the certificates made in <data_dir>/certs
         (`quillcache certs`), and etcd its users and roles, unless `insecure`.
         With `supervise`, a process that dies once the cluster is up is restarted on
@@ -238,6 +239,8 @@ class LocalCluster:
                         "--store-node-id",
                         store.name,
                         *self.engine_options.get(i, {}).get("sim_args", []),
+                        "--role",
+                        self.engine_options.get(i, {}).get("role", "both"),
                     ],
                     timeout_s,
                 )
@@ -274,9 +277,9 @@ class LocalCluster:
         """The gateway with the demo tenants' keys, once every conductor sees every engine."""
         keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
         replicas = ",".join(c.fields["grpc"] for c in conductors)
-        gateway = self._run(
-            "gateway", "gateway", ["--conductor", replicas, "--api-keys", keys], timeout_s
-        )
+        registry = ["--registry", self.etcd.client_url] if self.etcd else []  # transfer: splits
+        args = ["--conductor", replicas, "--api-keys", keys, *registry]
+        gateway = self._run("gateway", "gateway", args, timeout_s)
         for conductor in conductors:
             self._wait_engines_visible(conductor.fields["grpc"], engines, timeout_s)
         return gateway
@@ -400,6 +403,8 @@ class LocalCluster:
                 f"rack-{(i % self.stores) % 2}",
                 "--store-node",
                 store.name,
+                "--role",
+                options.get("role", "both"),
             ],
             timeout_s,
         )
@@ -573,6 +578,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --engine vllm: the model directory to serve (default: the tiny model "
         "`quillcache vllm-env` builds)",
     )
+    parser.add_argument(
+        "--engine-roles",
+        default="",
+        help="engines' disaggregation roles in order, e.g. 'prefill,decode' (default: both)",
+    )
     parser.add_argument("--stores", type=int, default=2, help="store nodes")
     parser.add_argument(
         "--hbm-blocks", type=int, default=4096, help="KV blocks each sim engine's GPU holds"
@@ -611,6 +621,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def engine_roles(spec: str, engines: int) -> dict[int, dict]:
+    """`--engine-roles prefill,decode` as engine_options; SystemExit on a bad role."""
+    roles = [r.strip() for r in spec.split(",") if r.strip()]
+    if len(roles) > engines or any(r not in ("prefill", "decode", "both") for r in roles):
+        raise SystemExit(f"--engine-roles: at most {engines} of prefill/decode/both: {spec!r}")
+    return {i: {"role": role} for i, role in enumerate(roles)}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stop = threading.Event()
@@ -634,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
             insecure=args.insecure,
             supervise=args.supervise,
             conductors=args.conductors,
+            engine_options=engine_roles(args.engine_roles, args.engines),
             log=lambda *parts: print(*parts, flush=True),
         )
         print(f"starting the local cluster in {data_dir}", flush=True)

@@ -59,6 +59,12 @@ class RegisterEngineConfig(TlsSettings):
     kv_replay_endpoint: str = opt("", "its ZMQ replay socket, tcp://host:port")
     locality_domain: str = opt("default", "the rack or zone it runs in")
     store_node: str = opt("", "the store node beside it ('' = none)")
+    role: str = opt(
+        "both",
+        "its part in prefill/decode disaggregation: prefill (computes prompts into the "
+        "pool), decode (loads them and generates) or both",
+        choices=("prefill", "decode", "both"),
+    )
     registry: str = opt("", "the etcd URL, e.g. http://127.0.0.1:2379 (required)")
     lease_ttl_s: float = opt(5.0, "lease TTL of the record")
     watch_interval_s: float = opt(
@@ -96,6 +102,7 @@ class RegisterEngineConfig(TlsSettings):
             store_node=self.store_node,
             block_size=self.block_size,
             start_time_s=start_time_s,
+            role=self.role,
             extra={"engine_kind": "external"},
         )
 

@@ -26,6 +26,11 @@ UPDATE: EventType = "update"
 
 NodeKey = tuple[str, str]
 
+# What an engine does for a request split across engines (prefill/decode disaggregation):
+# `prefill` engines compute prompts and write their KV to the pool, `decode` engines load
+# that KV and generate; `both` (the default) do either, or a whole request.
+ENGINE_ROLES = ("prefill", "decode", "both")
+
 
 # --------------------------------------------------------------------------- keys
 
@@ -76,6 +81,7 @@ _STR_FIELDS = (
     "store_node",
     "version",
     "data_address",
+    "role",
 )
 
 
@@ -103,11 +109,17 @@ class NodeRecord:
     start_time_s: float = 0.0
     data_address: str = ""  # host:port of a store's raw TCP block-data port, or ""
     block_size: int = 0  # an engine's KV block size in tokens (0 = not said)
+    role: str = "both"  # an engine's disaggregation role: one of ENGINE_ROLES
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         _check_part("kind", self.kind)
         _check_part("id", self.id)
+        if self.role not in ENGINE_ROLES:
+            raise InvalidArgument(
+                f"node {self.kind}/{self.id}: role must be one of {', '.join(ENGINE_ROLES)},"
+                f" got {self.role!r}"
+            )
 
     @property
     def key(self) -> str:
@@ -145,6 +157,8 @@ class NodeRecord:
                     continue
                 if not isinstance(value, str):
                     raise InvalidArgument(f"node {kind}/{id}: {name} must be a string")
+                if name == "role" and not value:
+                    continue  # unset: the default
                 values[name] = value
             elif name in ("capacity_bytes", "block_size"):
                 if value is None:

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlanRequest(_message.Message):
-    __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines", "packed_hashes", "block_tokens", "block_bytes", "action_runs", "max_others")
+    __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines", "packed_hashes", "block_tokens", "block_bytes", "action_runs", "max_others", "disagg")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class PlanRequest(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTION_RUNS_FIELD_NUMBER: _ClassVar[int]
     MAX_OTHERS_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     identity: _common_pb2.Identity
     blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockRef]
@@ -34,7 +35,8 @@ class PlanRequest(_message.Message):
     block_bytes: int
     action_runs: bool
     max_others: int
-    def __init__(self, request_id: _Optional[str] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., expected_decode_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ..., exclude_engines: _Optional[_Iterable[str]] = ..., packed_hashes: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., action_runs: _Optional[bool] = ..., max_others: _Optional[int] = ...) -> None: ...
+    disagg: str
+    def __init__(self, request_id: _Optional[str] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., expected_decode_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ..., exclude_engines: _Optional[_Iterable[str]] = ..., packed_hashes: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., action_runs: _Optional[bool] = ..., max_others: _Optional[int] = ..., disagg: _Optional[str] = ...) -> None: ...
 
 class BlockAction(_message.Message):
     __slots__ = ("kind", "block_index", "block_hash", "source_node", "source_address", "source_tier", "cost_us", "block_count")
@@ -105,7 +107,7 @@ class Refusal(_message.Message):
     def __init__(self, block_index: _Optional[int] = ..., block_hash: _Optional[str] = ..., worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("reservation_id", "engine_id", "engine_base_url", "actions", "est_ttft_ms", "chosen", "others", "refusals", "policy", "hit_blocks", "fetch_blocks", "recompute_blocks", "plan_us")
+    __slots__ = ("reservation_id", "engine_id", "engine_base_url", "actions", "est_ttft_ms", "chosen", "others", "refusals", "policy", "hit_blocks", "fetch_blocks", "recompute_blocks", "plan_us", "prefill_engine_id", "prefill_engine_base_url", "prefill_reservation_id", "prefill_store_node", "decode_store_node", "disagg", "disagg_reason")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BASE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,13 @@ class PlanResponse(_message.Message):
     FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PLAN_US_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STORE_NODE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STORE_NODE_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_FIELD_NUMBER: _ClassVar[int]
+    DISAGG_REASON_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     engine_id: str
     engine_base_url: str
@@ -132,10 +141,17 @@ class PlanResponse(_message.Message):
     fetch_blocks: int
     recompute_blocks: int
     plan_us: int
-    def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., engine_base_url: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[BlockAction, _Mapping]]] = ..., est_ttft_ms: _Optional[float] = ..., chosen: _Optional[_Union[EngineCost, _Mapping]] = ..., others: _Optional[_Iterable[_Union[EngineCost, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., policy: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., recompute_blocks: _Optional[int] = ..., plan_us: _Optional[int] = ...) -> None: ...
+    prefill_engine_id: str
+    prefill_engine_base_url: str
+    prefill_reservation_id: str
+    prefill_store_node: str
+    decode_store_node: str
+    disagg: str
+    disagg_reason: str
+    def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., engine_base_url: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[BlockAction, _Mapping]]] = ..., est_ttft_ms: _Optional[float] = ..., chosen: _Optional[_Union[EngineCost, _Mapping]] = ..., others: _Optional[_Iterable[_Union[EngineCost, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., policy: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., recompute_blocks: _Optional[int] = ..., plan_us: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., prefill_engine_base_url: _Optional[str] = ..., prefill_reservation_id: _Optional[str] = ..., prefill_store_node: _Optional[str] = ..., decode_store_node: _Optional[str] = ..., disagg: _Optional[str] = ..., disagg_reason: _Optional[str] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks", "observe_packed_hashes", "observe_block_tokens")
+    __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks", "observe_packed_hashes", "observe_block_tokens", "transfer_bytes", "transfer_bytes_per_s")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OUTCOME_UNSPECIFIED: _ClassVar[FinishRequest.Outcome]
@@ -154,6 +170,8 @@ class FinishRequest(_message.Message):
     OBSERVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
     OBSERVE_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     outcome: FinishRequest.Outcome
     ttft_ms: float
@@ -162,7 +180,9 @@ class FinishRequest(_message.Message):
     observe_blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockRef]
     observe_packed_hashes: bytes
     observe_block_tokens: int
-    def __init__(self, reservation_id: _Optional[str] = ..., outcome: _Optional[_Union[FinishRequest.Outcome, str]] = ..., ttft_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., observe_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., observe_packed_hashes: _Optional[bytes] = ..., observe_block_tokens: _Optional[int] = ...) -> None: ...
+    transfer_bytes: int
+    transfer_bytes_per_s: float
+    def __init__(self, reservation_id: _Optional[str] = ..., outcome: _Optional[_Union[FinishRequest.Outcome, str]] = ..., ttft_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., observe_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., observe_packed_hashes: _Optional[bytes] = ..., observe_block_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class FinishResponse(_message.Message):
     __slots__ = ("released",)

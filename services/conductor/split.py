@@ -1,0 +1,100 @@
+"""The conductor's side of prefill/decode disaggregation: a plan, then the split.
+
+`plan_split` runs the usual plan (the policy chooses the engine that decodes), asks
+`routing.disagg.choose` whether another engine should prefill, and if so opens that
+engine's own reservation for the prompt. Same contract as `ConductorState`: called from
+the event loop only, no sockets.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import secrets
+from collections.abc import Sequence
+
+from quillcache_conductor.state import ConductorState, PlanOutcome, Reservation, _serves
+from quillcache_core.model import RequestShape
+from quillcache_core.routing import disagg
+
+logger = logging.getLogger(__name__)
+
+
+def plan_split(
+    state: ConductorState, request: RequestShape, exclude: Sequence[str] = (), mode: str = "auto"
+) -> PlanOutcome:
+    """`state.plan`, then disaggregation (routing/disagg.py): the planned engine decodes;
+    when another engine should prefill, it gets a reservation of its own for the
+    prompt, and the decode engine's queued prefill shrinks to the tail it still
+    computes."""
+    outcome = state.plan(request, exclude)
+    decision = outcome.decision
+    excluded = set(exclude)
+    candidates = [
+        (info.state, info.record.role)
+        for info in state.engines.values()
+        if info.state.id not in excluded and _serves(info.record, request.model_id)
+    ]
+    decode = decision.engine
+    choice = disagg.choose(
+        state.policy.cost_model,
+        state.disagg_settings,
+        request,
+        decode,
+        state.engines[decode.id].record.role,
+        decision.chosen.est_ttft_us,
+        candidates,
+        decision.usable or (),
+        state.bandwidth.bytes_per_s,
+        mode,
+    )
+    if not choice.split or choice.prefill is None:
+        return PlanOutcome(outcome.reservation_id, decision, choice)
+    res = state.reservations[outcome.reservation_id]
+    # The decode engine loads the prompt's full blocks and computes the rest (at least
+    # one token: a prompt of whole blocks recomputes its last one).
+    in_blocks = sum(key.token_count for key in request.blocks)
+    last = request.blocks[-1].token_count if request.blocks else 1
+    tail = min(res.prefill_tokens, request.input_tokens() - in_blocks or last)
+    if not res.prefill_released:
+        decode.queued_prefill_tokens = max(
+            0, decode.queued_prefill_tokens - res.prefill_tokens + tail
+        )
+    res.prefill_tokens = tail
+    now = state.clock()
+    prefill = Reservation(
+        id=secrets.token_hex(16),
+        engine_id=choice.prefill.id,
+        prefill_tokens=choice.prefill_tokens,
+        blocks=len(request.blocks),
+        created_s=now,
+        expires_s=now + state.reservation_ttl_s,
+    )
+    state.reservations[prefill.id] = prefill
+    worker = choice.prefill
+    worker.inflight_requests += 1
+    worker.running_decodes += 1  # released with the rest (ConductorState._release)
+    worker.queued_prefill_tokens += prefill.prefill_tokens
+    worker.inflight_blocks += prefill.blocks
+    due = now + (choice.split_us - choice.transfer_us) / 1e6
+    heapq.heappush(state._prefill_due, (due, prefill.id))  # noqa: SLF001 - state's own heaps
+    heapq.heappush(state._expiry, (prefill.expires_s, prefill.id))  # noqa: SLF001
+    if state.listener is not None:  # the other replicas count it too
+        state.listener.opened(prefill, due - now)
+    return PlanOutcome(outcome.reservation_id, decision, choice, prefill.id)
+
+
+def configure(state: ConductorState, settings: disagg.DisaggSettings) -> None:
+    state.disagg_settings = settings
+    state.bandwidth = disagg.Bandwidth(settings.default_bytes_per_s)
+
+
+def transfer_measured(state: ConductorState, nbytes: int, bytes_per_s: float) -> None:
+    """A split request's KV was moved between store nodes at this rate."""
+    if state.bandwidth.observe(nbytes, bytes_per_s):
+        logger.debug(
+            "store bandwidth %.0f MB/s (measured %.0f MB/s over %d bytes)",
+            state.bandwidth.bytes_per_s / 1e6,
+            bytes_per_s / 1e6,
+            nbytes,
+        )

@@ -1,0 +1,155 @@
+"""Prefill/decode disaggregation: when the conductor splits a request across two engines
+(routing/disagg.py), and the reservations a split plan opens (quillcache_conductor.split)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from quillcache_conductor.split import plan_split
+from quillcache_conductor.state import ConductorState
+from quillcache_core.errors import InvalidArgument
+from quillcache_core.index import MemoryIndex
+from quillcache_core.model import CacheResidency, CacheTier, CostModel, WorkerState
+from quillcache_core.registry.records import NodeRecord
+from quillcache_core.routing import disagg
+from quillcache_core.routing.planner import CostPlanner
+from tests.unit.factories import MODEL, TOKENIZER, make_request
+
+COST = CostModel()
+SETTINGS = disagg.DisaggSettings()
+
+
+def engine(id: str, running: int = 0, store: str | None = None) -> WorkerState:
+    return WorkerState(id=id, locality_domain="a", running_decodes=running, store_node_id=store)
+
+
+def choose(request, d, d_role, others, *, usable=(), bps=1e9, mode="auto", settings=SETTINGS):
+    ttft = float(COST.prefill_cost_us(request.input_tokens()))
+    return disagg.choose(COST, settings, request, d, d_role, ttft, others, usable, bps, mode)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("blocks", "out", "running", "bps", "mode", "split", "why"),
+    [
+        # a long prompt onto an engine decoding for 8 others: their streams would stall
+        (128, 512, 8, 1e9, "auto", True, "split; cheaper"),
+        # the same on an idle engine: nothing to stall, the second call only costs
+        (128, 512, 0, 1e9, "auto", False, "colocated; cheaper"),
+        # a short answer gains nothing from a second engine
+        (128, 4, 8, 1e9, "auto", False, "colocated; short output"),
+        # a network slow enough that moving the KV costs more than the stall
+        (128, 512, 1, 20e6, "auto", False, "colocated; cheaper"),
+        # the client's header wins either way
+        (128, 512, 0, 1e9, "split", True, "split; asked for"),
+        (128, 512, 8, 1e9, "colocated", False, "colocated; asked for"),
+    ],
+)
+def test_split_or_colocated_follows_the_cost_model(blocks, out, running, bps, mode, split, why):
+    request = make_request(blocks, decode_tokens=out)
+    choice = choose(
+        request, engine("d", running), "both", [(engine("p"), "prefill")], bps=bps, mode=mode
+    )
+    assert choice.split is split
+    assert choice.reason.startswith(why)
+    assert (choice.prefill.id if choice.prefill else None) == ("p" if split else None)
+
+
+@pytest.mark.unit
+def test_a_decode_only_engine_is_split_whenever_someone_can_prefill():
+    request = make_request(4, decode_tokens=2)
+    choice = choose(request, engine("d"), "decode", [(engine("p"), "prefill")])
+    assert choice.split and choice.reason.startswith("split; decode-only engine")
+    alone = choose(request, engine("d"), "decode", [(engine("x"), "decode")])
+    assert not alone.split and "no other engine can prefill" in alone.reason
+    off = choose(
+        request,
+        engine("d"),
+        "decode",
+        [(engine("p"), "prefill")],
+        settings=disagg.DisaggSettings(enabled=False),
+    )
+    assert not off.split
+
+
+@pytest.mark.unit
+def test_what_the_engines_hold_is_neither_recomputed_nor_moved():
+    request = make_request(16, decode_tokens=256)
+    d, p = engine("d", running=8, store="s-d"), engine("p", store="s-p")
+    hbm_p = [[CacheResidency(k, "p", CacheTier.HBM, request.block_bytes)] for k in request.blocks]
+    choice = choose(request, d, "both", [(p, "both")], usable=hbm_p)
+    assert choice.split and choice.prefill_tokens == 16  # at least one token: the last block
+    # the decode engine's own store node already has every block: nothing to move
+    pool_d = [
+        [CacheResidency(k, "s-d", CacheTier.CPU_DRAM, request.block_bytes)] for k in request.blocks
+    ]
+    assert choose(request, d, "both", [(p, "both")], usable=pool_d).transfer_blocks == 0
+    # the decode engine holds the whole prompt in HBM: nothing to split
+    hbm_d = [[CacheResidency(k, "d", CacheTier.HBM, request.block_bytes)] for k in request.blocks]
+    held = choose(request, d, "both", [(p, "both")], usable=hbm_d)
+    assert not held.split and "holds the prompt" in held.reason
+
+
+@pytest.mark.unit
+def test_bandwidth_is_the_measured_rate_of_transfers_large_enough_to_mean_it():
+    bw = disagg.Bandwidth(500e6)
+    assert not bw.observe(4096, 1e6)  # a small copy is latency, not bandwidth
+    assert bw.bytes_per_s == 500e6
+    assert bw.observe(8 << 20, 100e6) and bw.bytes_per_s == 100e6
+    assert bw.observe(8 << 20, 200e6) and 100e6 < bw.bytes_per_s < 200e6
+    assert not bw.observe(8 << 20, float("nan"))
+
+
+def record(node: str, role: str) -> NodeRecord:
+    return NodeRecord(
+        kind="engine",
+        id=node,
+        address="",
+        locality_domain="a",
+        base_url=f"http://{node}",
+        model=MODEL,
+        tokenizer=TOKENIZER,
+        store_node=f"store-{node}",
+        role=role,
+    )
+
+
+@pytest.mark.unit
+def test_a_split_plan_reserves_the_prompt_on_the_prefill_engine_and_decoding_on_the_other():
+    state = ConductorState(
+        MemoryIndex(), CostPlanner(COST), clock=lambda: 10.0, rng=random.Random(1)
+    )
+    state.engine_joined(record("pre", "prefill"))
+    state.engine_joined(record("dec", "decode"))
+    request = make_request(8, extra_tokens=5)
+    for _ in range(3):  # a prefill-only engine is never planned to decode
+        outcome = plan_split(state, request)
+        assert outcome.decision.engine.id == "dec"
+        assert outcome.split.split and outcome.split.prefill.id == "pre"
+        state.finish(outcome.reservation_id, "cancelled")
+        state.finish(outcome.prefill_reservation_id, "cancelled")
+    outcome = plan_split(state, request)
+    pre, dec = state.engines["pre"].state, state.engines["dec"].state
+    assert pre.queued_prefill_tokens == request.input_tokens()
+    assert dec.queued_prefill_tokens == 5  # it loads the 8 blocks, computes the tail
+    assert pre.inflight_requests == dec.inflight_requests == 1
+    state.finish(outcome.prefill_reservation_id, "success")
+    state.finish(outcome.reservation_id, "success")
+    assert pre.queued_prefill_tokens == dec.queued_prefill_tokens == 0
+    assert pre.inflight_requests == dec.inflight_requests == 0
+    colocated = plan_split(state, request, mode="colocated")
+    assert not colocated.split.split and colocated.prefill_reservation_id == ""
+
+
+@pytest.mark.unit
+def test_an_engine_role_is_part_of_its_record():
+    rec = record("e", "decode")
+    assert NodeRecord.from_json("engine", "e", rec.to_json()).role == "decode"
+    assert NodeRecord.from_json("engine", "e", b'{"role": ""}').role == "both"
+    assert NodeRecord.from_json("engine", "e", b"{}").role == "both"
+    with pytest.raises(InvalidArgument, match="role"):
+        NodeRecord.from_json("engine", "e", b'{"role": "encode"}')
+    with pytest.raises(InvalidArgument, match="role"):
+        NodeRecord.from_json("engine", "e", b'{"role": 3}')
