@@ -21,7 +21,7 @@ import logging
 import secrets
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
@@ -42,6 +42,8 @@ from quillcache_core.wire.plan import pack_hashes
 from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
+from quillcache_gateway.disagg import HEADER as DISAGG_HEADER
+from quillcache_gateway.disagg import Disaggregator, answer_headers, requested_mode
 from quillcache_gateway.errors import ApiError, from_domain, response
 from quillcache_gateway.fallback import PLAN_HEADER, SKIP, PlanFallback, is_fallback
 from quillcache_gateway.limits import TenantLimiter
@@ -108,6 +110,8 @@ class _Call:
     hashes: list[str]  # hex, one per full block
     packed: bytes  # the same hashes as 16-byte digests, concatenated
     block_size: int = 16  # tokens a block: the conductor's index block size
+    disagg: str = ""  # the client's x-quillcache-disagg ("" = the conductor's choice)
+    notes: dict[str, str] = field(default_factory=dict)  # headers added on the way (disagg)
 
 
 class Gateway:
@@ -172,6 +176,7 @@ class Gateway:
             retry_s=config.plan_fallback_retry_s,
         )
         self.open_plans = OpenPlans(m, lambda finish: self._finishes.submit(finish))
+        self.disagg = Disaggregator(registry_url=config.registry, tls=self.tls, metrics=m)
         self.conductor: ConductorReplicas | None = None
         self._stats: ConductorReplicas | None = None
         self._finishes: FinishQueue | None = None
@@ -258,6 +263,7 @@ class Gateway:
             await self.conductor.close()
         if self._upstream is not None:
             await self._upstream.close()
+        await self.disagg.close()
 
     # --- small routes ---------------------------------------------------------------------
 
@@ -420,6 +426,7 @@ class Gateway:
             expected_decode_tokens=call.job.max_tokens,
             slo=common_pb2.Slo(ttft_ms=call.slo_ms),
             exclude_engines=excluded,
+            disagg=call.disagg,
         )
         try:
             # In its own task: if the client leaves first, or the gateway stops waiting,
@@ -450,8 +457,9 @@ class Gateway:
         ident = self._identity(tenant, job.model, job.tokenizer_id)
         block_size = self.catalog.block_size
         hashes = ident.identity.hashes(job.tokens, block_size)
+        mode = requested_mode(request.headers.get(DISAGG_HEADER))  # 400 if not a mode
         call = _Call(
-            request_id, arrived, slo_ms, job, ident, hashes, pack_hashes(hashes), block_size
+            request_id, arrived, slo_ms, job, ident, hashes, pack_hashes(hashes), block_size, mode
         )
         self.prepare_sum.inc(time.perf_counter() - arrived)
         self._finishes.hold()  # no Finish competes with this request for its answer
@@ -468,6 +476,7 @@ class Gateway:
             headers["x-quillcache-recompute-blocks"] = str(plan.recompute_blocks)
             headers["x-quillcache-est-ttft-ms"] = f"{plan.est_ttft_ms:.3f}"
             headers["x-quillcache-plan-us"] = str(plan.plan_us)
+            headers.update(answer_headers(plan, call.notes))  # disagg.py
         try:
             if upstream.status != 200 or not job.stream:
                 return await self._whole(request, upstream, plan, headers, call)
@@ -486,6 +495,8 @@ class Gateway:
         job = call.job
         for _attempt in range(self.config.upstream_retries + 1):
             plan = await self._plan(call, excluded)
+            if plan.disagg == "split" and plan.prefill_engine_id and not is_fallback(plan):
+                plan = await self.disagg.split(self, call, plan, path)  # disagg.py
             sent = time.perf_counter()
             try:
                 body = upstream_body(job.raw, job.payload, call.ident, self._plan_json(plan, call))

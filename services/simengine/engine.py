@@ -51,6 +51,7 @@ class EngineStats:
     fetched_blocks: int = 0
     recomputed_blocks: int = 0
     fetch_fallback_blocks: int = 0  # planned fetches recomputed instead
+    written_through_blocks: int = 0  # prompt blocks stored for a decode engine (prefill role)
     evicted_blocks: int = 0
     event_batches: int = 0
     resets: int = 0
@@ -69,6 +70,9 @@ class Prepared:
     fetch_fallback_blocks: int
     generation: int
     pinned: list[int] = field(default_factory=list)
+    # Prefill for another engine (disaggregation): the prompt's blocks go to the store
+    # node before the answer.
+    write_through: bool = False
 
     @property
     def full_blocks(self) -> int:
@@ -98,6 +102,7 @@ class SimEngine:
         publisher: KvEventPublisher,
         mover: BlockMover,
         seed: bytes | None = None,
+        role: str = "both",
     ) -> None:
         self.engine_id = engine_id
         self.model_id = model_id
@@ -108,6 +113,7 @@ class SimEngine:
         self.publisher = publisher
         self.mover = mover
         self.seed = seed if seed is not None else os.urandom(32)
+        self.role = role
         self.stats = EngineStats()
 
     # --- 1. plan ------------------------------------------------------------------------
@@ -150,6 +156,7 @@ class SimEngine:
             fetch_fallback_blocks=0,
             generation=self.cache.generation,
             pinned=self.cache.acquire(hashes[:hits]),
+            write_through=self.role == "prefill" or (plan is not None and plan.disagg == "prefill"),
         )
         try:
             candidates = self._fetch_candidates(plan, keys, hits, usable)
@@ -244,6 +251,11 @@ class SimEngine:
         if events:
             self.publisher.publish(events)
             self.stats.event_batches += 1
+        if prepared.write_through:
+            # A decode engine loads these next: they are in the store before we answer.
+            usable = (len(tokens) - 1) // bs
+            stored = await self.mover.store_now(prepared.keys[:usable])
+            self.stats.written_through_blocks += stored
         return end
 
     def _account(self, prepared: Prepared, computed: int) -> None:

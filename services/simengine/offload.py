@@ -73,6 +73,7 @@ class MoverStats:
     fetch_failures: int = 0
     fetch_mismatches: int = 0  # bytes arrived but differ from the block's content
     fetched_bytes: int = 0
+    stored_through: int = 0  # prompt blocks stored at once for a decode engine
 
 
 class BlockMover:
@@ -177,6 +178,31 @@ class BlockMover:
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += len(payload)
         log.debug("offloaded block %s (%d bytes) to %s", key.block_hash, len(payload), tier)
+
+    async def store_now(self, keys: list[KvBlockKey]) -> int:
+        """Store the blocks in the own store node now (a prefill for a decode engine);
+        returns how many are stored. Failures are counted, never raised."""
+        if not self.enabled or not keys:
+            return 0
+
+        async def one(key: KvBlockKey) -> bool:
+            async with self._fetch_slots:
+                try:
+                    payload = await asyncio.to_thread(kv_payload, key.block_hash, self.kv_shape)
+                    async with asyncio.timeout(self.timeout_s):
+                        await self.client(self.own_address).put(key, payload)
+                except asyncio.CancelledError:
+                    raise
+                except (QuillCacheError, TimeoutError, OSError) as exc:
+                    self.stats.offload_failures += 1
+                    log.warning("store of block %s failed: %s", key.block_hash, exc)
+                    return False
+                self.stats.offloaded_bytes += len(payload)
+                return True
+
+        stored = sum(await asyncio.gather(*(one(key) for key in keys)))
+        self.stats.stored_through += stored
+        return stored
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every queued offload finished (or `timeout_s` passed)."""

@@ -106,6 +106,7 @@ class SimEngineServer:
             publisher=self.publisher,
             mover=self.mover,
             seed=_seed(config),
+            role=config.role,
         )
         self.metrics = MetricsRegistry(prefix="quillcache_sim_")
         self.vllm_metrics = MetricsRegistry(prefix="vllm:")

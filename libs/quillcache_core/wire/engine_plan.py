@@ -38,10 +38,15 @@ class EnginePlan:
     hit_blocks: int = 0
     recompute_blocks: int = 0
     fetch: tuple[FetchAction, ...] = field(default_factory=tuple)
+    # "prefill": this engine prefills for another that decodes (disaggregation): its
+    # prompt's blocks are to be in its store node when it answers. "" otherwise.
+    disagg: str = ""
 
     def to_json(self) -> dict:
         body = asdict(self)
         body["fetch"] = [asdict(f) for f in self.fetch]
+        if not self.disagg:
+            del body["disagg"]  # only a split's prefill carries it
         return body
 
     @classmethod

@@ -1,0 +1,166 @@
+"""Prefill/decode disaggregation on the local cluster with sim engines: engine-0 prefills,
+engine-1 decodes, on two store nodes with the transfer service between them.
+
+A split request is prefilled on engine-0 (which stores the prompt's KV bytes in its store
+node before it answers), the KV moves to engine-1's store node, and engine-1 loads it
+(byte for byte checked against the block's content) instead of recomputing; whatever
+breaks on the way, the client still gets its answer, colocated.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import ssl
+import urllib.error
+import urllib.request
+
+import pytest
+
+from quillcache_core.launch.cluster import LocalCluster
+from tests.support.cluster import https, tenant_context
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+PROMPT = "The pool keeps the prompt's KV so the decode engine need not compute it. " * 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    lc = LocalCluster(
+        tmp_path_factory.mktemp("disagg"),
+        time_scale=0.05,
+        engine_options={
+            0: {"role": "prefill", "sim_args": ["--kv-layers", "2", "--kv-heads", "2"]},
+            1: {"role": "decode", "sim_args": ["--kv-layers", "2", "--kv-heads", "2"]},
+        },
+        log=lambda *_: None,
+    )
+    endpoints = lc.start()
+    try:
+        yield lc, endpoints
+    except BaseException:
+        for child in lc.children:
+            print(f"--- {child.name}\n{child.log_tail(20)}")
+        raise
+    finally:
+        lc.stop()
+
+
+def post(endpoints, path: str, body: dict, headers: dict | None = None):
+    """(status, headers, body bytes) of one gateway call, errors included."""
+    request = urllib.request.Request(
+        endpoints["gateway_url"] + path,
+        data=json.dumps(body).encode(),
+        headers={
+            "Authorization": f"Bearer {endpoints['api_keys']['acme']}",
+            "Content-Type": "application/json",
+            **(headers or {}),
+        },
+    )
+    context: ssl.SSLContext | None = tenant_context(endpoints)
+    try:
+        with urllib.request.urlopen(request, timeout=60, context=context) as reply:
+            return reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+def sim_stats(endpoints, i: int) -> dict:
+    with urllib.request.urlopen(
+        endpoints["engines"][i] + "/sim/stats", timeout=5, context=https(endpoints)
+    ) as reply:
+        return json.loads(reply.read())
+
+
+def completion(prompt: str = PROMPT, **extra) -> dict:
+    return {"model": "sim-model", "prompt": prompt, "max_tokens": 48, "temperature": 0, **extra}
+
+
+def sse_text(raw: bytes, key: str) -> str:
+    out = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            out.append(choice["delta"].get("content") or "" if key == "chat" else choice["text"])
+    return "".join(out)
+
+
+def test_a_split_request_is_decoded_from_the_kv_the_prefill_engine_stored(cluster):
+    _, endpoints = cluster
+    before = [sim_stats(endpoints, i) for i in (0, 1)]
+    status, headers, body = post(endpoints, "/v1/completions", completion())
+    assert status == 200, body
+    assert headers["x-quillcache-disagg"].startswith("split; decode-only engine")
+    assert headers["x-quillcache-prefill-engine"] == "engine-0"
+    assert headers["x-quillcache-decode-engine"] == headers["x-quillcache-engine"] == "engine-1"
+    answer = json.loads(body)
+    prompt_tokens = answer["usage"]["prompt_tokens"]
+    loadable = (prompt_tokens - 1) // 16
+    assert int(headers["x-quillcache-transfer-blocks"]) == loadable
+    assert int(headers["x-quillcache-fetch-blocks"]) == loadable
+    # engine-1 loaded every full block of the prompt and computed only the rest
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == loadable * 16
+    after = [sim_stats(endpoints, i) for i in (0, 1)]
+    assert after[1]["engine"]["fetched_blocks"] - before[1]["engine"]["fetched_blocks"] == loadable
+    assert after[1]["store"]["fetch_mismatches"] == 0
+    assert (
+        after[0]["engine"]["written_through_blocks"] - before[0]["engine"]["written_through_blocks"]
+        == loadable
+    )
+    # the same request colocated (asked for): the same greedy answer, all computed
+    status, headers, body = post(
+        endpoints, "/v1/completions", completion(), {"x-quillcache-disagg": "colocated"}
+    )
+    assert status == 200 and headers["x-quillcache-disagg"] == "colocated; asked for"
+    assert json.loads(body)["choices"][0]["text"] == answer["choices"][0]["text"]
+
+
+def test_a_streamed_chat_is_split_and_streams_as_before(cluster):
+    _, endpoints = cluster
+    body = {
+        "model": "sim-model",
+        "stream": True,
+        "max_tokens": 40,
+        "messages": [{"role": "user", "content": PROMPT + " (chat)"}],
+    }
+    status, headers, raw = post(endpoints, "/v1/chat/completions", body)
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert headers["x-quillcache-disagg"].startswith("split")
+    assert raw.rstrip().endswith(b"data: [DONE]")
+    split_text = sse_text(raw, "chat")
+    status, headers, raw = post(
+        endpoints, "/v1/chat/completions", body, {"x-quillcache-disagg": "colocated"}
+    )
+    assert status == 200 and headers["x-quillcache-disagg"].startswith("colocated")
+    assert sse_text(raw, "chat") == split_text and split_text
+
+
+def test_a_bad_disagg_header_is_a_client_error(cluster):
+    _, endpoints = cluster
+    status, _, body = post(endpoints, "/v1/completions", completion(), {"x-quillcache-disagg": "x"})
+    assert status == 400
+    assert json.loads(body)["error"]["param"] == "x-quillcache-disagg"
+
+
+def test_a_failed_transfer_or_prefill_falls_back_to_colocated(cluster):
+    lc, endpoints = cluster
+    transfer = next(c for c in lc.children if c.name == "transfer")
+    transfer.paused = True
+    transfer.proc.send_signal(signal.SIGKILL)
+    transfer.proc.wait(10)
+    status, headers, body = post(endpoints, "/v1/completions", completion(PROMPT + " again"))
+    assert status == 200, body
+    # The KV could not move: engine-0, which holds it, decodes.
+    assert headers["x-quillcache-disagg"].startswith("colocated; fallback: transfer failed")
+    assert headers["x-quillcache-engine"] == "engine-0"
+    assert json.loads(body)["choices"][0]["text"]
+    engine0 = next(c for c in lc.children if c.name == "engine-0")
+    engine0.paused = True
+    engine0.proc.send_signal(signal.SIGKILL)  # its record stays until its lease expires
+    engine0.proc.wait(10)
+    status, headers, body = post(endpoints, "/v1/completions", completion(PROMPT + " third"))
+    assert status == 200, body
+    assert headers["x-quillcache-disagg"].startswith("colocated; fallback: prefill")
+    assert headers["x-quillcache-engine"] == "engine-1"
+    assert json.loads(body)["choices"][0]["text"]
