@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_bench.index_bench",
         "residency-index backends (memory, lmdb, rocksdb, fs, art) on the same traces",
     ),
+    "chaos": (
+        "quillcache_bench.chaos",
+        "load while one process at a time is killed or stalled: failures, late ones, blocks lost",
+    ),
     "bench": (
         "quillcache_bench.fleetsim.command",
         "our planner vs Dynamo, llm-d, SGLang, round robin, least-loaded on a simulated fleet",
