@@ -77,6 +77,9 @@ class BlockTransfer:
 class QuillCacheMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    # Some saves are a prefill's for another engine (disaggregation): the worker waits
+    # until the store has them, so the request's answer means its KV is in the pool.
+    flush: bool = False
 
 
 @dataclass
@@ -90,6 +93,14 @@ class _Tracked:
     load_to: int = 0
     block_ids: list[int] = field(default_factory=list)
     saved_to: int = 0  # engine blocks below this are in the pool or queued
+    producer: bool = False  # a prefill for a decode engine: saves are waited for
+
+
+def _prefill_for_another(request: Request) -> bool:
+    """Whether the gateway's plan marks this request as a prefill for a decode engine."""
+    params = request.kv_transfer_params or {}
+    plan = params.get(PLAN_FIELD) if isinstance(params, dict) else None
+    return isinstance(plan, dict) and plan.get("disagg") == "prefill"
 
 
 class QuillCacheConnector(KVConnectorBase_V1):
@@ -108,6 +119,9 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self.parts = self.block_size // self.index_block
         self.model = str(extra.get("model") or vllm_config.model_config.served_model_name)
         self.tokenizer = str(extra.get("tokenizer", ""))
+        # kv_producer: every request is a prefill for a decode engine (saves are waited
+        # for); otherwise only those whose plan says `"disagg": "prefill"`.
+        self.producer = self._kv_transfer_config.kv_role == "kv_producer"
         # The pool is reached as an engine, over mutual TLS, unless `insecure` is set.
         if not extra.get("insecure") and not extra.get("tls_dir"):
             raise ValueError("kv_connector_extra_config needs tls_dir (or insecure: true)")
@@ -156,7 +170,9 @@ class QuillCacheConnector(KVConnectorBase_V1):
         held = self.pool.leading_held(keys)
         held = max(held, self._plan_fetchable(request, held, len(keys)))
         matched = held // self.parts * self.block_size
-        self._tracked[request.request_id] = _Tracked(keys, held, num_computed_tokens)
+        self._tracked[request.request_id] = _Tracked(
+            keys, held, num_computed_tokens, producer=self.producer or _prefill_for_another(request)
+        )
         if matched <= num_computed_tokens:
             return 0, False
         return matched - num_computed_tokens, False
@@ -221,6 +237,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         full = min(computed // self.block_size, len(tracked.keys) // self.parts)
         for index in range(tracked.saved_to, min(full, len(tracked.block_ids))):
             meta.saves.append(self._transfer(tracked, index))
+            meta.flush = meta.flush or tracked.producer
         tracked.saved_to = max(tracked.saved_to, full)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
@@ -290,6 +307,10 @@ class QuillCacheConnector(KVConnectorBase_V1):
                 ]
                 blocks.append((key, torch.cat([p.flatten() for p in pieces]).numpy().tobytes()))
         self.pool.save_later(blocks)
+        if meta.flush and not self.pool.flush(self.pool.timeout_s):
+            logger.warning(
+                "a prefill's KV is not all in the store after %.0fs", self.pool.timeout_s
+            )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

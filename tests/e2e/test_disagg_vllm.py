@@ -1,0 +1,134 @@
+"""Prefill/decode disaggregation with two real vLLM engines and the QuillCache connector.
+
+engine-0 is registered as `prefill`, engine-1 as `decode`, each on its own store node.
+Through the gateway, a request is prefilled on engine-0 (its connector writes the prompt's
+KV to store-0 before the prefill call answers), prefetched into store-1 by the transfer
+service, and decoded by engine-1, whose connector loads it instead of recomputing. The
+greedy output equals a colocated run of the same request on one engine, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.request
+
+import pytest
+
+from quillcache_core.launch.cluster import LocalCluster
+from tests.e2e.test_vllm import env, post, text  # noqa: F401 - env is the fixture
+from tests.e2e.test_vllm_connector import connector
+from tests.support.cluster import tenant_context
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+MODEL = "tiny"
+ENGINE_BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(env, tmp_path_factory):  # noqa: F811 - the fixture of test_vllm
+    cluster = LocalCluster(
+        tmp_path_factory.mktemp("vllm-disagg"),
+        engines=2,
+        stores=2,
+        log=lambda *_: None,
+        engine_kind="vllm",
+        model=MODEL,
+        engine_options={0: {"role": "prefill"}, 1: {"role": "decode"}},
+    )
+    try:
+        yield cluster, cluster.start(timeout_s=120)
+    finally:
+        cluster.stop()
+
+
+def body(kind: str, content: str, stream: bool) -> dict:
+    common = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stream": stream}
+    if stream:
+        common["stream_options"] = {"include_usage": True}
+    if kind == "chat":
+        return {
+            **common,
+            "messages": [
+                {"role": "system", "content": content},
+                {"role": "user", "content": "Which engine holds this prompt?"},
+            ],
+        }
+    return {**common, "prompt": content}
+
+
+def through_gateway(endpoints, path: str, payload: dict) -> tuple[dict, str, dict]:
+    """(headers, output text, usage) of one request through the gateway as acme."""
+    request = urllib.request.Request(
+        endpoints["gateway_url"] + path,
+        data=json.dumps(payload).encode(),
+        headers={
+            "Authorization": f"Bearer {endpoints['api_keys']['acme']}",
+            "Content-Type": "application/json",
+        },
+    )
+    context: ssl.SSLContext | None = tenant_context(endpoints)
+    with urllib.request.urlopen(request, timeout=120, context=context) as reply:
+        headers, raw = dict(reply.headers), reply.read()
+    if not payload["stream"]:
+        answer = json.loads(raw)
+        return headers, output_of(answer["choices"][0]), answer["usage"]
+    pieces, usage = [], {}
+    assert raw.rstrip().endswith(b"data: [DONE]")
+    for line in raw.decode().splitlines():
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices") or []:
+            pieces.append(output_of(choice))
+    return headers, "".join(pieces), usage
+
+
+def output_of(choice: dict) -> str:
+    if "message" in choice:
+        return choice["message"]["content"] or ""
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+@pytest.mark.parametrize(
+    ("kind", "stream", "seed"),
+    [
+        ("completion", False, 101),
+        ("completion", True, 102),
+        ("chat", False, 103),
+        ("chat", True, 104),
+    ],
+)
+def test_a_split_request_decodes_from_the_pool_and_equals_a_colocated_run(
+    pd_fleet, kind, stream, seed
+):
+    cluster, endpoints = pd_fleet
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    prompt = text(seed, 300)
+    # The colocated run: the whole request on one engine (engine-0), nothing from the pool.
+    reference = post(cluster, endpoints["engines"][0] + path, body(kind, prompt, False))
+    expected = output_of(reference["choices"][0])
+    loaded = connector(endpoints, "engine-1", "blocks_loaded")
+    headers, got, usage = through_gateway(endpoints, path, body(kind, prompt, stream))
+    blocks = usage["prompt_tokens"] // ENGINE_BLOCK  # whole vLLM blocks, its last token aside
+    loaded_now = connector(endpoints, "engine-1", "blocks_loaded") - loaded
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    print(
+        f"{kind} stream={stream}: {headers['x-quillcache-disagg']}; prefill "
+        f"{headers.get('x-quillcache-prefill-ms')} ms, transfer "
+        f"{headers.get('x-quillcache-transfer-blocks')} blocks "
+        f"{headers.get('x-quillcache-transfer-ms')} ms; decode engine loaded {loaded_now} "
+        f"blocks, cached {cached} of {usage['prompt_tokens']} prompt tokens"
+    )
+    assert headers["x-quillcache-disagg"].startswith("split; decode-only engine")
+    assert headers["x-quillcache-prefill-engine"] == "engine-0"
+    assert headers["x-quillcache-engine"] == headers["x-quillcache-decode-engine"] == "engine-1"
+    assert got == expected  # token for token
+    # engine-1 loaded the prompt's KV (16-token store blocks) instead of computing it
+    assert loaded_now >= 2 * (blocks - 1)
+    assert cached >= ENGINE_BLOCK * (blocks - 1)
