@@ -292,7 +292,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     scope_from_proto(request.identity), request.observe_blocks, "Finish"
                 )
         if request.transfer_bytes_per_s > 0:
-            transfer_measured(self.state, request.transfer_bytes, request.transfer_bytes_per_s)
+            transfer_measured(
+                self.state,
+                request.transfer_bytes,
+                request.transfer_bytes_per_s,
+                request.transfer_blocks,
+            )
         engine_id = self.state.finish(request.reservation_id, outcome, promote=not observe)
         if observe and engine_id in self.state.engines:
             self.state.observe(engine_id, observe)

@@ -45,7 +45,7 @@ def plan_split(
         decision.chosen.est_ttft_us,
         candidates,
         decision.usable or (),
-        state.bandwidth.bytes_per_s,
+        state.bandwidth,
         mode,
     )
     if not choice.split or choice.prefill is None:
@@ -89,12 +89,13 @@ def configure(state: ConductorState, settings: disagg.DisaggSettings) -> None:
     state.bandwidth = disagg.Bandwidth(settings.default_bytes_per_s)
 
 
-def transfer_measured(state: ConductorState, nbytes: int, bytes_per_s: float) -> None:
-    """A split request's KV was moved between store nodes at this rate."""
-    if state.bandwidth.observe(nbytes, bytes_per_s):
+def transfer_measured(state: ConductorState, nbytes: int, bytes_per_s: float, blocks: int) -> None:
+    """A split request's KV (`blocks` blocks, `nbytes` bytes) moved at this rate."""
+    if state.bandwidth.observe(nbytes, bytes_per_s, blocks):
         logger.debug(
-            "store bandwidth %.0f MB/s (measured %.0f MB/s over %d bytes)",
+            "store transfers: %.0f MB/s, %.0f us a block (measured %.0f MB/s, %d blocks)",
             state.bandwidth.bytes_per_s / 1e6,
+            state.bandwidth.us_per_block,
             bytes_per_s / 1e6,
-            nbytes,
+            blocks,
         )

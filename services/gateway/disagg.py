@@ -257,6 +257,7 @@ class Disaggregator:
             ttft_ms=prefill_ms,
             transfer_bytes=nbytes,
             transfer_bytes_per_s=rate,
+            transfer_blocks=moved if nbytes else 0,
         )
         if call.packed:  # the prefill engine holds the prompt now
             finish.identity.CopyFrom(call.ident.finish_identity)

@@ -27,7 +27,8 @@ def engine(id: str, running: int = 0, store: str | None = None) -> WorkerState:
 
 def choose(request, d, d_role, others, *, usable=(), bps=1e9, mode="auto", settings=SETTINGS):
     ttft = float(COST.prefill_cost_us(request.input_tokens()))
-    return disagg.choose(COST, settings, request, d, d_role, ttft, others, usable, bps, mode)
+    bandwidth = disagg.Bandwidth(bps)
+    return disagg.choose(COST, settings, request, d, d_role, ttft, others, usable, bandwidth, mode)
 
 
 @pytest.mark.unit
@@ -93,13 +94,18 @@ def test_what_the_engines_hold_is_neither_recomputed_nor_moved():
 
 
 @pytest.mark.unit
-def test_bandwidth_is_the_measured_rate_of_transfers_large_enough_to_mean_it():
+def test_a_blocks_move_costs_what_the_last_transfers_measured():
     bw = disagg.Bandwidth(500e6)
-    assert not bw.observe(4096, 1e6)  # a small copy is latency, not bandwidth
-    assert bw.bytes_per_s == 500e6
-    assert bw.observe(8 << 20, 100e6) and bw.bytes_per_s == 100e6
-    assert bw.observe(8 << 20, 200e6) and 100e6 < bw.bytes_per_s < 200e6
-    assert not bw.observe(8 << 20, float("nan"))
+    assert bw.block_us(2 << 20) == pytest.approx((2 << 20) / 500e6 * 1e6)  # assumed
+    # 20 blocks of 16 KiB in 20 ms (latency included): 1 ms a block, whatever the
+    # configured block size says
+    assert bw.observe(20 * 16384, 20 * 16384 / 0.020, 20)
+    assert bw.block_us(2 << 20) == pytest.approx(1000.0)
+    assert bw.observe(20 * 16384, 20 * 16384 / 0.040, 20)
+    assert 1000.0 < bw.block_us(2 << 20) < 2000.0
+    assert not bw.observe(0, 1e6, 3)
+    assert not bw.observe(4096, float("nan"), 1)
+    assert not bw.observe(4096, 1e6, 0)
 
 
 def record(node: str, role: str) -> NodeRecord:

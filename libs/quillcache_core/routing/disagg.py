@@ -52,28 +52,39 @@ class DisaggSettings:
 
 
 class Bandwidth:
-    """Store-to-store transfer rate, an exponentially weighted mean of measured rates.
+    """Store-to-store transfers as measured: exponentially weighted means of the rate
+    (bytes per second) and of the time one block's move took (its latency share too).
 
-    Rates come from transfers large enough to mean something (`min_bytes`); a single
-    small copy is mostly latency and would make every split look expensive.
+    Until a transfer is measured, a block costs `block_bytes / default_bytes_per_s`.
+    Measured, it costs what the last transfers did per block: the real KV size of a
+    block (which the conductor's configured block bytes only estimate) and the real
+    network, fixed costs included, as a deployment observes them.
     """
 
-    def __init__(self, default_bytes_per_s: float, weight: float = 0.3, min_bytes: int = 256 << 10):
+    def __init__(self, default_bytes_per_s: float, weight: float = 0.3):
         self.bytes_per_s = float(default_bytes_per_s)
+        self.us_per_block = 0.0  # 0 = not measured yet
         self.weight = weight
-        self.min_bytes = min_bytes
         self.samples = 0
 
-    def observe(self, nbytes: int, bytes_per_s: float) -> bool:
-        """Fold in one measured transfer; False when it is too small or not a rate."""
-        if nbytes < self.min_bytes or not math.isfinite(bytes_per_s) or bytes_per_s <= 0:
+    def observe(self, nbytes: int, bytes_per_s: float, blocks: int) -> bool:
+        """Fold in one measured transfer; False when it is not a measurement."""
+        if nbytes <= 0 or blocks <= 0 or not math.isfinite(bytes_per_s) or bytes_per_s <= 0:
             return False
+        per_block = nbytes / bytes_per_s * 1e6 / blocks
         if self.samples == 0:
-            self.bytes_per_s = bytes_per_s
+            self.bytes_per_s, self.us_per_block = bytes_per_s, per_block
         else:
             self.bytes_per_s += self.weight * (bytes_per_s - self.bytes_per_s)
+            self.us_per_block += self.weight * (per_block - self.us_per_block)
         self.samples += 1
         return True
+
+    def block_us(self, block_bytes: int) -> float:
+        """The expected time of one block's move, in microseconds."""
+        if self.us_per_block > 0:
+            return self.us_per_block
+        return block_bytes / self.bytes_per_s * 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +131,7 @@ def choose(
     colocated_ttft_us: float,
     candidates: Sequence[tuple[Engine, str]],
     usable: Sequence[Sequence[CacheResidency]],
-    bytes_per_s: float,
+    bandwidth: Bandwidth,
     mode: str = "auto",
 ) -> SplitChoice:
     """Split or colocated for a request the policy placed on `decode`.
@@ -163,7 +174,7 @@ def choose(
         prefill_us = float(cost_model.prefill_cost_us(compute))
         queue_us = float(cost_model.queue_cost_us(p))
         moved = max(0, full - d_pool)
-        transfer_us = moved * request.block_bytes / bytes_per_s * 1e6
+        transfer_us = moved * bandwidth.block_us(request.block_bytes)
         load_us = max(0, full - d_hbm) * load_us_per_block
         cost = (
             queue_us
@@ -188,8 +199,8 @@ def choose(
         f"prompt {tokens} tok, output {out} tok; colocated {colocated / 1000:.1f} ms "
         f"({decode.running_decodes} decodes on {decode.id} stall {stall_d / 1000:.1f} ms); "
         f"split via {best.prefill.id} {best.split_us / 1000:.1f} ms (transfer "
-        f"{best.transfer_blocks} blocks {best.transfer_us / 1000:.1f} ms at "
-        f"{bytes_per_s / 1e6:.0f} MB/s)"
+        f"{best.transfer_blocks} blocks {best.transfer_us / 1000:.1f} ms, "
+        f"{bandwidth.bytes_per_s / 1e6:.0f} MB/s{'' if bandwidth.samples else ' assumed'})"
     )
     if decode_role == DECODE:
         why = "decode-only engine"

@@ -151,7 +151,7 @@ class PlanResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., engine_base_url: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[BlockAction, _Mapping]]] = ..., est_ttft_ms: _Optional[float] = ..., chosen: _Optional[_Union[EngineCost, _Mapping]] = ..., others: _Optional[_Iterable[_Union[EngineCost, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., policy: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., recompute_blocks: _Optional[int] = ..., plan_us: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., prefill_engine_base_url: _Optional[str] = ..., prefill_reservation_id: _Optional[str] = ..., prefill_store_node: _Optional[str] = ..., decode_store_node: _Optional[str] = ..., disagg: _Optional[str] = ..., disagg_reason: _Optional[str] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks", "observe_packed_hashes", "observe_block_tokens", "transfer_bytes", "transfer_bytes_per_s")
+    __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks", "observe_packed_hashes", "observe_block_tokens", "transfer_bytes", "transfer_bytes_per_s", "transfer_blocks")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OUTCOME_UNSPECIFIED: _ClassVar[FinishRequest.Outcome]
@@ -172,6 +172,7 @@ class FinishRequest(_message.Message):
     OBSERVE_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     outcome: FinishRequest.Outcome
     ttft_ms: float
@@ -182,7 +183,8 @@ class FinishRequest(_message.Message):
     observe_block_tokens: int
     transfer_bytes: int
     transfer_bytes_per_s: float
-    def __init__(self, reservation_id: _Optional[str] = ..., outcome: _Optional[_Union[FinishRequest.Outcome, str]] = ..., ttft_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., observe_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., observe_packed_hashes: _Optional[bytes] = ..., observe_block_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ...) -> None: ...
+    transfer_blocks: int
+    def __init__(self, reservation_id: _Optional[str] = ..., outcome: _Optional[_Union[FinishRequest.Outcome, str]] = ..., ttft_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., observe_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., observe_packed_hashes: _Optional[bytes] = ..., observe_block_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ..., transfer_blocks: _Optional[int] = ...) -> None: ...
 
 class FinishResponse(_message.Message):
     __slots__ = ("released",)
