@@ -44,6 +44,11 @@ class SimEngineConfig(TlsSettings):
     )
     prefill_us_per_token: int = opt(_COST.prefill_us_per_token, "prefill cost per token (µs)")
     decode_us_per_token: int = opt(_COST.decode_us_per_token, "decode cost per output token (µs)")
+    prefill_stalls_decodes: bool = opt(
+        False,
+        "a finished prefill delays every running decode by its duration (one kind of step "
+        "at a time, as vLLM without chunked prefill); off: decodes never wait",
+    )
     default_max_tokens: int = opt(16, "output tokens when a request names no max_tokens")
     max_model_len: int = opt(32_768, "prompt + output tokens a request may use")
     kv_layers: int = opt(16, "layers of the simulated KV tensor of one block")

@@ -7,13 +7,18 @@ injected clock and sleep. Deadlines are absolute, so many tiny waits (at a small
 scale) do not add up to drift.
 
 Decoding does not queue: each running request emits one token every
-`decode_us_per_token * time_scale`, as in a continuous batch.
+`decode_us_per_token * time_scale`, as in a continuous batch. With `prefill_stalls_decodes`
+an engine runs one kind of step at a time, as vLLM does without chunked prefill: no
+token is emitted while a prefill runs, and each running decode's later tokens move back
+by the wait (the inter-token stall prefill/decode disaggregation removes from decode
+engines).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -56,8 +61,11 @@ class Scheduler:
         time_scale: float,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        prefill_stalls_decodes: bool = False,
     ) -> None:
         self.queue = PrefillQueue(prefill_us_per_token, time_scale)
+        self.prefill_stalls_decodes = prefill_stalls_decodes
+        self._busy: deque[tuple[float, float]] = deque()  # booked prefills (start, end)
         self.decode_interval_s = decode_us_per_token * time_scale / 1e6
         self._clock = clock
         self._sleep = sleep
@@ -72,7 +80,9 @@ class Scheduler:
 
     async def prefill(self, tokens: int) -> float:
         """Wait for this request's turn and its prefill time; returns the end time."""
-        _start, end = self.queue.book(self._clock(), tokens)
+        start, end = self.queue.book(self._clock(), tokens)
+        if self.prefill_stalls_decodes and end > start:
+            self._busy.append((start, end))
         self.waiting += 1
         self.queued_prefill_tokens += tokens
         try:
@@ -82,18 +92,34 @@ class Scheduler:
             self.queued_prefill_tokens -= tokens
         return end
 
+    async def _wait_prefills(self) -> float:
+        """While a prefill runs (or one booked is due), wait for its end; returns the wait."""
+        waited = 0.0
+        busy = self._busy
+        while True:
+            now = self._clock()
+            while busy and busy[0][1] <= now:
+                busy.popleft()
+            if not busy or busy[0][0] > now:
+                return waited
+            await self._sleep(busy[0][1] - now)
+            waited += self._clock() - now
+
     async def decode(self, count: int, start: float) -> AsyncIterator[int]:
         """Yield token numbers 0..count-1, the i-th at `start + i * interval`.
 
         The first token comes with the end of prefill, as in a real engine."""
         self.running += 1
+        shift = 0.0  # time spent waiting for other requests' prefills
         try:
             for i in range(count):
-                deadline = start + i * self.decode_interval_s
+                deadline = start + i * self.decode_interval_s + shift
                 if deadline - self._clock() > _MIN_SLEEP_S:
                     await self._sleep(deadline - self._clock())
                 elif i % _YIELD_EVERY == _YIELD_EVERY - 1:
                     await asyncio.sleep(0)
+                if self.prefill_stalls_decodes:
+                    shift += await self._wait_prefills()
                 yield i
         finally:
             self.running -= 1

@@ -95,6 +95,7 @@ class SimEngineServer:
             prefill_us_per_token=config.prefill_us_per_token,
             decode_us_per_token=config.decode_us_per_token,
             time_scale=config.time_scale,
+            prefill_stalls_decodes=config.prefill_stalls_decodes,
         )
         self.engine = SimEngine(
             engine_id=config.node_id,

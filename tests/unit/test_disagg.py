@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from quillcache_core.model import CacheResidency, CacheTier, CostModel, WorkerSt
 from quillcache_core.registry.records import NodeRecord
 from quillcache_core.routing import disagg
 from quillcache_core.routing.planner import CostPlanner
+from quillcache_simengine.scheduler import Scheduler
 from tests.unit.factories import MODEL, TOKENIZER, make_request
 
 COST = CostModel()
@@ -159,3 +161,41 @@ def test_an_engine_role_is_part_of_its_record():
         NodeRecord.from_json("engine", "e", b'{"role": "encode"}')
     with pytest.raises(InvalidArgument, match="role"):
         NodeRecord.from_json("engine", "e", b'{"role": 3}')
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("stalls", [False, True])
+def test_a_sim_engines_prefill_stalls_its_running_decodes_when_asked(stalls):
+    """The sim engine's step model: with --prefill-stalls-decodes, a prefill that runs
+    while a request decodes pushes its later tokens back by the prefill's duration."""
+
+    async def scenario() -> list[float]:
+        sched = Scheduler(
+            prefill_us_per_token=1000,
+            decode_us_per_token=10_000,
+            time_scale=1.0,
+            prefill_stalls_decodes=stalls,
+        )
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        end = await sched.prefill(1)
+        times = []
+
+        async def decode() -> None:
+            async for _ in sched.decode(5, end):
+                times.append(loop.time() - start)
+
+        async def other_prefill() -> None:
+            await asyncio.sleep(0.015)
+            await sched.prefill(30)  # 30 ms, done at about 45 ms
+
+        await asyncio.gather(decode(), other_prefill())
+        return times
+
+    times = asyncio.run(scenario())
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    if stalls:
+        assert max(gaps) >= 0.035  # one gap holds the 30 ms prefill
+        assert times[-1] >= 0.06
+    else:
+        assert max(gaps) < 0.02 and times[-1] < 0.05
