@@ -237,3 +237,57 @@ def test_vectorised_costs_equal_the_brute_force_definition(n_blocks, placements,
     assert decision.chosen.est_ttft_us + decision.chosen.decode_us == pytest.approx(
         expected[decision.engine.id]
     )
+
+
+# --- with a clock: the queue drains with time, duplicated work weighs more under load --
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now_us = 0.0
+
+    def __call__(self) -> float:
+        return self.now_us
+
+
+def test_with_a_clock_the_queue_drains_at_prefill_speed_and_never_exceeds_the_observed():
+    clock = _Clock()
+    planner = CostPlanner(CM.queue_at_prefill_speed(), clock=clock)
+    req = make_request(4, decode_tokens=0)
+    usable = usable_from(req, resident(req, "e0", CacheTier.HBM))
+    hot = engine("e0", queued_prefill_tokens=1000)  # 45 ms of prefill ahead
+    cold = engine("e1")
+    fleet = Fleet([hot, cold], {})
+    first = planner.plan(req, usable, fleet, random.Random(0))
+    assert first.engine.id == "e1"  # 45 ms of queue against 2.9 ms of recompute
+    clock.now_us = 44_000.0  # the engine has worked 44 ms through it: 1 ms is left
+    again = planner.plan(req, usable, fleet, random.Random(0))
+    assert again.engine.id == "e0"
+    assert again.chosen.queue_us == pytest.approx(1000 * 45 - 44_000)
+    hot.queued_prefill_tokens = 0  # its first token came: nothing is left
+    assert planner.plan(req, usable, fleet, random.Random(0)).chosen.queue_us == 0
+    hot.queued_prefill_tokens = 100  # a new reservation counts in full at once
+    clock.now_us = 45_000.0
+    decision = planner.plan(req, usable, fleet, random.Random(0))
+    assert {c.engine_id: c.queue_us for c in [decision.chosen, *decision.others]}["e0"] == 4500
+
+
+def test_with_a_clock_a_busy_fleet_keeps_a_prefix_on_its_only_holder():
+    req = make_request(40, decode_tokens=0)  # 640 tokens: 28.8 ms to recompute
+    usable = usable_from(req, resident(req, "e0", CacheTier.HBM))
+    cm = CM.queue_at_prefill_speed()
+
+    def choose(busy_others: int) -> str:
+        # e0 holds the prefix behind 40 ms of queue; e1 is idle; of 6 more, some are busy.
+        engines = [engine("e0", queued_prefill_tokens=889), engine("e1")]
+        engines += [engine(f"b{i}", queued_prefill_tokens=5000) for i in range(busy_others)]
+        engines += [engine(f"i{i}") for i in range(6 - busy_others)]
+        planner = CostPlanner(cm, clock=_Clock())
+        return planner.plan(req, usable, Fleet(engines, {}), random.Random(0)).engine.id
+
+    assert choose(0) != "e0"  # 1 of 8 busy: own TTFT decides (any idle engine)
+    assert choose(6) == "e0"  # 7 of 8 busy: recomputing elsewhere costs the queue more
+    # Without a clock the planner is the plain cost function: it takes e1.
+    engines = [engine("e0", queued_prefill_tokens=889), engine("e1")]
+    engines += [engine(f"b{i}", queued_prefill_tokens=5000) for i in range(6)]
+    assert CostPlanner(cm).plan(req, usable, Fleet(engines, {}), random.Random(0)).engine.id == "e1"

@@ -357,6 +357,9 @@ class FleetSim:
             policy.bind_lifecycle()
         if hasattr(policy, "bind_sim"):  # the oracle reads the fleet's true state
             policy.bind_sim(self)
+        self.now_us = 0.0
+        if hasattr(policy, "bind_clock"):  # our planner's queue drains with (virtual) time
+            policy.bind_clock(lambda: self.now_us)
         self._scrape_every = float(getattr(policy, "scrape_interval_us", 0.0) or 0.0)
         self._next_scrape = 0.0
 
@@ -410,6 +413,7 @@ class FleetSim:
 
     def _arrive(self, i: int, now: float) -> None:
         shape = self.requests[i].shape
+        self.now_us = now
         hooks = self.hooks
         if hooks is not None:
             hooks.observe_time(now)

@@ -29,7 +29,7 @@ import heapq
 import logging
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate
 from operator import attrgetter
 from typing import NamedTuple
@@ -125,6 +125,15 @@ class CostPlanner(Policy):
 
     `alternatives` caps how many other engines get a cost breakdown in the decision
     (None: all of them); the conductor replies with only a few.
+
+    `clock` (µs, optional; `bind_clock`): with it the queue term drains with time. An
+    engine's queued prefill tokens count in full until the request's first token, but
+    the engine works on them meanwhile; the planner keeps per engine a fluid estimate
+    of the work left, drained at one µs of queue per µs elapsed, raised by each rise of
+    the observed queue, and never above it. With a clock the choice also weighs
+    duplicated work under load (`_weighted_totals`), and `cost_us` is that weighted
+    total while `est_ttft_us` stays queue + fetch + prefill. Without a clock the
+    planner is the plain cost function above.
     """
 
     name = "quillcache"
@@ -135,15 +144,41 @@ class CostPlanner(Policy):
         cost_model: CostModel | None = None,
         temperature: float = 0.0,
         alternatives: int | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         super().__init__(cost_model)
         if temperature < 0 or math.isnan(temperature):
             raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
         self.temperature = temperature
         self.alternatives = alternatives
+        self.clock = clock
+        self._fluid: dict[str, tuple[float, float]] = {}  # engine -> (work left, last seen), µs
+        self._fluid_at = 0.0
         # The layout of the last fleet object seen: a caller that keeps its Fleet
         # while membership is unchanged (the conductor) skips rebuilding it.
         self._layout_of: tuple[Fleet | None, _Layout | None] = (None, None)
+
+    def bind_clock(self, clock: Callable[[], float]) -> None:
+        """Use `clock` (µs) to drain the queue term with time (see the class docstring)."""
+        self.clock = clock
+
+    def _drained(self, engines: Sequence[WorkerState], queue: list[float]) -> list[float]:
+        """Per engine, the queue work still left now: the observed queue, drained by time."""
+        now = self.clock()
+        elapsed = max(0.0, now - self._fluid_at)
+        self._fluid_at = now
+        fluid = self._fluid
+        out = []
+        for worker, observed in zip(engines, queue, strict=True):
+            left, seen = fluid.get(worker.id, (0.0, 0.0))
+            left = left - elapsed if left > elapsed else 0.0
+            if observed > seen:
+                left += observed - seen
+            if left > observed:
+                left = observed
+            fluid[worker.id] = (left, observed)
+            out.append(left)
+        return out
 
     def _layout(self, fleet: Fleet) -> _Layout:
         seen, layout = self._layout_of
@@ -202,7 +237,11 @@ class CostPlanner(Policy):
                 row_of[i] = _best_prefix(costs, lengths, prefill, flags)
 
         queue, decode = _load_costs(cm, engines, request.estimated_decode_tokens)
-        total = [q + row[1] + d for q, row, d in zip(queue, row_of, decode, strict=True)]
+        if self.clock is None:
+            total = [q + row[1] + d for q, row, d in zip(queue, row_of, decode, strict=True)]
+        else:
+            queue = self._drained(engines, queue)
+            total = _weighted_totals(queue, row_of, decode)
         chosen_index = _pick_lowest(total, rng, self.temperature)
         engine = engines[chosen_index]
         actions = _run_actions(
@@ -265,6 +304,41 @@ class CostPlanner(Policy):
                 [(o.engine_id, round(o.cost_us)) for o in others],
             )
         return PlanDecision(self.name, engine, actions, chosen, others)
+
+
+# The most a µs of duplicated prefill work may weigh beyond the requester's own µs.
+WORK_WEIGHT_CAP = 4.0
+
+
+def _weighted_totals(queue: list[float], row_of: list[_Row], decode: list[float]) -> list[float]:
+    """Each engine's cost: queue + its best prefix's work (fetch + prefill) + decode, plus
+    a weight on the work it would duplicate.
+
+    Under load a plan's prefill work also delays the requests that will queue behind it,
+    so an engine that must recompute what another engine already holds is charged
+    `weight * (its work - the least work any engine needs)` on top. weight =
+    min(WORK_WEIGHT_CAP, (busy / (1 - busy))^2), busy being the share of engines with
+    queued prefill work now: about 0 on an idle fleet (own TTFT alone decides), the cap
+    once most engines are busy. It applies only while one engine alone needs the least
+    work: a prefix already held by several engines is a popular one, and another copy
+    of it adds capacity rather than waste. Uses only the load and residency the
+    planner already sees, and the clock (`queue` is the drained estimate): a planner
+    without a clock minimises the plain sum. The cap and the exponent were chosen on
+    `quillcache bench`'s workloads (README).
+    """
+    n = len(queue)
+    works = [row[1] for row in row_of]
+    least = min(works)
+    weight = 0.0
+    if works.count(least) == 1:
+        busy = sum(1 for q in queue if q > 0)
+        if busy:
+            weight = (
+                WORK_WEIGHT_CAP if busy == n else min(WORK_WEIGHT_CAP, (busy / (n - busy)) ** 2)
+            )
+    if weight == 0.0:
+        return [q + w + d for q, w, d in zip(queue, works, decode, strict=True)]
+    return [q + w + weight * (w - least) + d for q, w, d in zip(queue, works, decode, strict=True)]
 
 
 class _Row(NamedTuple):
