@@ -2,7 +2,7 @@
 
 Runs the same seeded workloads (multi-tenant chat, long-document QA, one hot prefix)
 through the same simulated fleet once per policy (quillcache, dynamo, llm-d, sglang,
-round-robin, least-loaded), at several Poisson request rates given as multiples of
+round-robin, least-loaded, and the oracle: perfect information), at several Poisson request rates given as multiples of
 the fleet's saturation rate: the rate past which its prefill capacity is used up even
 with a perfect cache (`Workload.saturation_rate`). Prints a table per workload and the
 issue's goals (met / NOT met, per rate), writes bench/results/fleet-<UTC>.json,

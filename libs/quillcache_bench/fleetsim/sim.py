@@ -7,7 +7,10 @@ routing decision itself (a reported figure, never fed back into the simulation).
 The router is exactly the conductor's: `routing.plan_request` over a `MemoryIndex`
 with live `WorkerState` load, reserved at plan time (in-flight request and running
 decode +1, prefill tokens the plan leaves to compute, the request's blocks), prefill
-tokens released at the first token, the rest at completion.
+tokens released at the first token, the rest at completion. A policy with lifecycle
+hooks (the reference routers, the oracle) hears what it would in reality: the clock at
+each decision, each prefill start, first token and end, and engine-metric scrapes at
+its interval; our planner gets the virtual clock (`bind_clock`).
 
 Each engine:
 

@@ -589,9 +589,23 @@ _FACTORIES: dict[str, Callable[[CostModel, float], Policy]] = {
 }
 
 
-def make_policy(name: str, cost_model: CostModel | None = None, temperature: float = 0.0) -> Policy:
-    """A fresh policy by name (see POLICY_NAMES); InvalidArgument for an unknown one."""
+def make_policy(
+    name: str,
+    cost_model: CostModel | None = None,
+    temperature: float = 0.0,
+    *,
+    clock: Callable[[], float] | None = None,
+) -> Policy:
+    """A fresh policy by name (see POLICY_NAMES); InvalidArgument for an unknown one.
+
+    `clock` (µs) is handed to our planner (`CostPlanner.bind_clock`: its queue term
+    drains with time and it weighs duplicated work under load); the references ignore
+    it (their clock comes through their lifecycle hooks).
+    """
     factory = _FACTORIES.get(name)
     if factory is None:
         raise InvalidArgument(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
-    return factory(cost_model or CostModel(), temperature)
+    policy = factory(cost_model or CostModel(), temperature)
+    if clock is not None and isinstance(policy, CostPlanner):
+        policy.bind_clock(clock)
+    return policy
