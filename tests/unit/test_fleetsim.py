@@ -252,3 +252,18 @@ def test_the_oracle_is_a_goal_of_its_own_not_a_reference():
     figures["oracle"]["ttft_mean_ms"] = 19.0
     goals = {g["goal"]: g for g in check_goals(figures)}
     assert goals["mean TTFT <= 1.3x oracle"]["met"] is False
+
+
+@pytest.mark.parametrize("workload", WORKLOAD_NAMES)
+def test_the_routers_own_tracking_returns_to_zero_with_the_fleet(runs, workload):
+    # Dynamo hears every first token and end: its active blocks and prefill drain.
+    dynamo = runs[workload, "dynamo"][0].policy
+    assert all(dynamo.active_blocks(e.state.id) == 0 for e in runs[workload, "dynamo"][0].engines)
+    assert all(
+        dynamo.active_prefill_tokens(e.state.id) == 0 for e in runs[workload, "dynamo"][0].engines
+    )
+    # llm-d was scraped; SGLang's tree holds what it routed (it never forgets by events).
+    assert runs[workload, "llm-d"][0].policy._metrics
+    sglang_sim = runs[workload, "sglang"][0]
+    routed = sum(sglang_sim.policy.tree_size(e.state.id) for e in sglang_sim.engines)
+    assert routed > 0
