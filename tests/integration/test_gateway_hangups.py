@@ -97,7 +97,10 @@ def test_clients_hanging_up_at_random_moments_leave_every_reservation_finished()
             assert set(finished) == set(conductor.reservations)
             assert set(finished.values()) == {1}, "a reservation was finished twice"
             assert len(s.gateway.open_plans) == 0
-            assert s.gateway.limits.in_flight("acme") == 0
+            # A request routed by the gateway itself (the fake conductor slow to answer
+            # under load: fallback) has no reservation to wait for above: its handler
+            # may still be finishing. Every tenant slot comes back.
+            await until(lambda: s.gateway.limits.in_flight("acme") == 0, timeout_s=5)
             # Nor is an engine connection left open but the pool's idle ones.
             engine_server = s.engines[0].runner.server
             idle = s.gateway._upstream._idle  # noqa: SLF001
