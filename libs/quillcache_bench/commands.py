@@ -46,4 +46,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_bench.live_bench",
         "live TTFT vs the real sglang-router and vllm-router in front of the same engines",
     ),
+    "bench-disagg": (
+        "quillcache_bench.disagg",
+        "prefill/decode disaggregation vs colocated on a decode-heavy load: TTFT, inter-token",
+    ),
 }
