@@ -26,6 +26,8 @@ import asyncio
 import contextlib
 import logging
 from functools import partial
+from itertools import repeat
+from operator import itemgetter
 
 import grpc
 
@@ -34,12 +36,18 @@ from quillcache_conductor.peer_load import ClosedLoad, OpenedLoad, PeerLoad
 from quillcache_conductor.state import ConductorState, Reservation
 from quillcache_core.model import CacheResidency, CacheTier, KvBlockKey
 from quillcache_core.security.tls import Tls, grpc_channel
+from quillcache_core.wire.plan import HASH_BYTES, unpack_hashes
 
 logger = logging.getLogger(__name__)
 
+HASH_HEX = 2 * HASH_BYTES
 QUEUE_MAX = 4096  # messages waiting for one slow receiver; beyond, its stream is ended
 _new_key = partial(tuple.__new__, KvBlockKey)
 _new_record = partial(tuple.__new__, CacheResidency)
+
+
+_key = itemgetter(0)
+_parent, _hash, _index, _tokens = itemgetter(4), itemgetter(5), itemgetter(6), itemgetter(7)
 
 
 def _opened_to_proto(
@@ -51,6 +59,9 @@ def _opened_to_proto(
     expires_s: float,
     records: list,
 ) -> conductor_pb2.ReservationOpened:
+    """A reservation as sent to the peers. Its overlay is usually a chain of blocks of
+    one size: then only the hashes travel (packed), with the chain's first parent and
+    index; every column is extracted in C (this runs once per plan)."""
     msg = conductor_pb2.ReservationOpened(
         reservation_id=res_id,
         engine_id=engine_id,
@@ -59,50 +70,84 @@ def _opened_to_proto(
         prefill_s=max(0.0, prefill_s),
         expires_s=max(0.0, expires_s),
     )
-    if records:
-        key = records[0][0]
-        identity = msg.identity
-        identity.model_id = key.model_id
-        identity.tokenizer_id = key.tokenizer_id
-        if key.adapter_id is not None:
-            identity.adapter_id = key.adapter_id
-        identity.tenant_id = key.tenant_id
-        msg.bytes_per_block = records[0][3]
-        previous = None
-        hashes, parents, indexes, counts = [], [], [], []
-        for record in records:
-            key = record[0]
-            hashes.append(key.block_hash)
-            parents.append("" if key.prefix_hash == previous else key.prefix_hash)
-            indexes.append(key.block_index)
-            counts.append(key.token_count)
-            previous = key.block_hash
+    if not records:
+        return msg
+    keys = list(map(_key, records))
+    first = keys[0]
+    identity = msg.identity
+    identity.model_id = first.model_id
+    identity.tokenizer_id = first.tokenizer_id
+    if first.adapter_id is not None:
+        identity.adapter_id = first.adapter_id
+    identity.tenant_id = first.tenant_id
+    msg.bytes_per_block = records[0][3]
+    hashes = list(map(_hash, keys))
+    joined = "".join(hashes)
+    if len(joined) == HASH_HEX * len(hashes) and joined == joined.lower():
+        try:
+            msg.packed_hashes = bytes.fromhex(joined)
+        except ValueError:
+            msg.block_hashes.extend(hashes)
+    else:
         msg.block_hashes.extend(hashes)
+    parents = list(map(_parent, keys))
+    msg.first_parent = parents[0]
+    if parents[1:] != hashes[:-1]:
         msg.prefix_hashes.extend(parents)
+    indexes = list(map(_index, keys))
+    msg.first_index = indexes[0]
+    if indexes != list(range(indexes[0], indexes[0] + len(indexes))):
         msg.block_indexes.extend(indexes)
+    counts = list(map(_tokens, keys))
+    msg.block_tokens = counts[0]
+    if counts.count(counts[0]) != len(counts):
         msg.token_counts.extend(counts)
     return msg
 
 
 def opened_from_proto(msg: conductor_pb2.ReservationOpened) -> OpenedLoad:
     """A peer's reservation as this replica keys its overlay records (the same keys the
-    peer's planner made: one identity, each block's parent)."""
+    peer's planner made). Malformed columns (lengths that disagree) give no overlay."""
+    hashes = list(msg.block_hashes) or (
+        unpack_hashes(msg.packed_hashes) if len(msg.packed_hashes) % HASH_BYTES == 0 else []
+    )
     records: list[CacheResidency] = []
-    n = len(msg.block_hashes)
-    if n and len(msg.prefix_hashes) == n == len(msg.block_indexes) == len(msg.token_counts):
+    n = len(hashes)
+    parents = list(msg.prefix_hashes) or [msg.first_parent, *hashes[:-1]]
+    indexes = list(msg.block_indexes) or range(msg.first_index, msg.first_index + n)
+    counts = list(msg.token_counts) or repeat(msg.block_tokens, n)
+    if n and len(parents) == n == len(indexes) and (not msg.token_counts or len(counts) == n):
         identity = msg.identity
         adapter = identity.adapter_id if identity.HasField("adapter_id") else None
-        head = (identity.model_id, identity.tokenizer_id, adapter, identity.tenant_id)
-        engine = msg.engine_id
-        hbm = CacheTier.HBM
-        nbytes = msg.bytes_per_block
-        previous = ""
-        for block_hash, parent, index, tokens in zip(
-            msg.block_hashes, msg.prefix_hashes, msg.block_indexes, msg.token_counts, strict=True
-        ):
-            key = _new_key((*head, parent or previous, block_hash, index, tokens))
-            records.append(_new_record((key, engine, hbm, nbytes, 0, 0, False)))
-            previous = block_hash
+        keys = map(
+            _new_key,
+            zip(
+                repeat(identity.model_id, n),
+                repeat(identity.tokenizer_id, n),
+                repeat(adapter, n),
+                repeat(identity.tenant_id, n),
+                parents,
+                hashes,
+                indexes,
+                counts,
+                strict=True,
+            ),
+        )
+        records = list(
+            map(
+                _new_record,
+                zip(
+                    keys,
+                    repeat(msg.engine_id, n),
+                    repeat(CacheTier.HBM, n),
+                    repeat(msg.bytes_per_block, n),
+                    repeat(0, n),
+                    repeat(0, n),
+                    repeat(False, n),
+                    strict=True,
+                ),
+            )
+        )
     return OpenedLoad(
         reservation_id=msg.reservation_id,
         engine_id=msg.engine_id,

@@ -98,3 +98,24 @@ def test_a_peers_load_never_sticks(how):
     assert load(b, engine) == (0, 0, 0)
     assert not b.optimistic
     assert peers.open_reservations() == 0
+
+
+@pytest.mark.parametrize("shape", ["chain", "gaps", "odd hashes"])
+def test_the_wire_keeps_every_overlay_record(shape):
+    """A chain travels as packed hashes and its first parent and index; anything else
+    (blocks skipped because the engine held them, hashes that are not 32 hex digits)
+    column by column. Either way the peer rebuilds the very same records."""
+    a, _ = make_state()
+    outcome = a.plan(make_request(12))
+    records = list(a.reservations[outcome.reservation_id].optimistic)
+    assert len(records) == 12
+    if shape == "gaps":
+        records = records[:3] + records[5:]
+    elif shape == "odd hashes":
+        records = [
+            r._replace(key=r.key._replace(block_hash=f"H{i}")) for i, r in enumerate(records)
+        ]
+    msg = _opened_to_proto("r", records[0].worker_id, 10, 12, 0.1, 300.0, records)
+    assert bool(msg.packed_hashes) == (shape != "odd hashes")
+    assert (not msg.prefix_hashes) == (shape == "chain")
+    assert opened_from_proto(msg).records == records

@@ -425,7 +425,7 @@ class SyncRequest(_message.Message):
     def __init__(self, conductor_id: _Optional[str] = ...) -> None: ...
 
 class ReservationOpened(_message.Message):
-    __slots__ = ("reservation_id", "engine_id", "prefill_tokens", "blocks", "prefill_s", "expires_s", "identity", "block_hashes", "prefix_hashes", "block_indexes", "token_counts", "bytes_per_block")
+    __slots__ = ("reservation_id", "engine_id", "prefill_tokens", "blocks", "prefill_s", "expires_s", "identity", "block_hashes", "prefix_hashes", "block_indexes", "token_counts", "bytes_per_block", "packed_hashes", "first_parent", "first_index", "block_tokens")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,10 @@ class ReservationOpened(_message.Message):
     BLOCK_INDEXES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PARENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     engine_id: str
     prefill_tokens: int
@@ -450,7 +454,11 @@ class ReservationOpened(_message.Message):
     block_indexes: _containers.RepeatedScalarFieldContainer[int]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
     bytes_per_block: int
-    def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., prefill_s: _Optional[float] = ..., expires_s: _Optional[float] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ..., prefix_hashes: _Optional[_Iterable[str]] = ..., block_indexes: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ...) -> None: ...
+    packed_hashes: bytes
+    first_parent: str
+    first_index: int
+    block_tokens: int
+    def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., prefill_s: _Optional[float] = ..., expires_s: _Optional[float] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ..., prefix_hashes: _Optional[_Iterable[str]] = ..., block_indexes: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., packed_hashes: _Optional[bytes] = ..., first_parent: _Optional[str] = ..., first_index: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class ReservationClosed(_message.Message):
     __slots__ = ("reservation_id", "linger_s", "resident")
