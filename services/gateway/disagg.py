@@ -140,11 +140,18 @@ class Disaggregator:
         nodes = [r for r in await self._registry.list("transfer") if r.address]
         if not nodes:
             return None
+        if self._transfer is not None:  # another split resolved it meanwhile
+            return self._transfer[1]
         address = sorted(nodes, key=lambda r: r.id)[0].address
         channel = grpc_channel(address, self.tls)
         stub = transfer_pb2_grpc.TransferStub(channel)
         self._transfer = (address, stub, channel)
         return stub
+
+    async def _forget_transfer(self) -> None:
+        found, self._transfer = self._transfer, None
+        if found is not None:
+            await found[2].close()
 
     async def prefetch(self, source: str, destination: str, keys) -> tuple[int, int, float]:
         """Copy `keys` (in prompt order) into `destination`'s DRAM; returns the leading
@@ -175,7 +182,15 @@ class Disaggregator:
         """Steps 1 and 2: the prefill call and the KV's move. Returns the plan for the
         decode call: `plan` with FETCH actions for the moved blocks, or a colocated
         fallback's (see the module's doc). The answer's headers go to `call.notes`."""
-        result = await self._split(gateway, call, plan, path)
+        try:
+            result = await self._split(gateway, call, plan, path)
+        except BaseException:
+            # The client left (or the gateway stops) mid-split: both reservations end now.
+            # `_split` finishes the prefill's only after its last await.
+            if gateway.open_plans.take(plan):
+                _finish(gateway, plan.reservation_id, CANCELLED)
+            _finish(gateway, plan.prefill_reservation_id, CANCELLED)
+            raise
         call.notes.update(result.headers)
         if result.fetch_blocks:
             plan = result.plan
@@ -223,10 +238,13 @@ class Disaggregator:
         fetch_node = dest or source
         if source and dest and source != dest and keys:
             try:
-                moved, nbytes, rate = await self.prefetch(source, dest, keys)
-            except (grpc.aio.AioRpcError, LookupError, TimeoutError, OSError) as exc:
+                async with asyncio.timeout(self.transfer_timeout_s):  # the lookup too
+                    moved, nbytes, rate = await self.prefetch(source, dest, keys)
+            except Exception as exc:  # noqa: BLE001 - whatever failed, the request goes on
                 moved, reason = 0, f"transfer failed: {_short(exc)}"
-                if isinstance(exc, LookupError):
+                if not isinstance(exc, LookupError):
+                    await self._forget_transfer()  # resolved again for the next split
+                else:
                     # No transfer service: the decode engine reads the prefill's store.
                     moved, fetch_node, reason = len(keys), source, ""
         if not source:
