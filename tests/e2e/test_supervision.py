@@ -7,6 +7,7 @@ on its address within 15 s, reopens its LMDB index and plans with hits again."""
 from __future__ import annotations
 
 import asyncio
+import random
 import re
 import signal
 import sys
@@ -19,6 +20,7 @@ import aiohttp
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from quillcache_bench import chaos
 from quillcache_core.launch.cluster import Child, LocalCluster
 from quillcache_core.launch.supervisor import Supervisor, pinned_ports
 from quillcache_core.security.tls import grpc_channel
@@ -237,6 +239,26 @@ def test_a_killed_store_and_engine_are_back_on_their_addresses(cluster):
     store = next(c for c in lc.children if c.name == "store-0")
     assert store.fields["grpc"] == store_address
     assert len(failed) <= 0.005 * len(load.results), failed[:5]
+
+
+def test_quillcache_chaos_reports_what_a_user_checks(cluster, tmp_path):
+    """`quillcache chaos` against this cluster, briefly: kill -9 of a conductor and a
+    store under load; its report counts every request, the late failures, the killed
+    processes back, and the durable blocks acknowledged and lost."""
+    lc, endpoints, _ = cluster
+    args = chaos.build_parser().parse_args(
+        ["--fault", "kill", "--duration", "7", "--interval", "2", "--settle-s", "1"]
+    )
+    report = chaos.run(args, endpoints, lc, ["conductor", "store"], random.Random(18))
+    results = report.pop("_results")
+    chaos.print_report(report)
+    chaos.plot(tmp_path / "chaos.png", results, [chaos.Fault(**f) for f in report["faults"]], 7)
+    assert {f["kind"] for f in report["faults"]} == {"conductor", "store"}
+    assert report["kills_not_recovered"] == 0
+    assert report["sent"] == len(results) >= RATE * 6
+    assert report["failed"] <= 0.005 * report["sent"] and report["late_failures"] == 0, report
+    assert report["blocks_acknowledged"] > 0 and report["blocks_lost"] == 0
+    assert (tmp_path / "chaos.png").stat().st_size > 0
 
 
 # --- backoff, with a process that keeps dying -------------------------------------------
