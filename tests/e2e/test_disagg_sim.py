@@ -136,6 +136,18 @@ def test_a_streamed_chat_is_split_and_streams_as_before(cluster):
     assert sse_text(raw, "chat") == split_text and split_text
 
 
+def test_the_conductor_prices_the_next_transfers_with_what_the_last_ones_measured(cluster):
+    _, endpoints = cluster
+    reasons = []
+    for i in range(10):  # the prefills' Finish calls travel in the background
+        status, headers, _ = post(endpoints, "/v1/completions", completion(f"{i} {PROMPT}"))
+        assert status == 200
+        reasons.append(headers["x-quillcache-disagg"])
+        if "assumed" not in reasons[-1]:
+            break
+    assert "MB/s)" in reasons[-1] and "assumed" not in reasons[-1], reasons
+
+
 def test_a_bad_disagg_header_is_a_client_error(cluster):
     _, endpoints = cluster
     status, _, body = post(endpoints, "/v1/completions", completion(), {"x-quillcache-disagg": "x"})
