@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 HASH_HEX = 2 * HASH_BYTES
 QUEUE_MAX = 4096  # messages waiting for one slow receiver; beyond, its stream is ended
+# Opened reservations per message (about 2 KB each for a 128-block prompt): a snapshot
+# of thousands, or a backlog after a long loop turn, goes as several messages, each
+# well under gRPC's 4 MB default (and the receiver allows more anyway).
+OPENED_PER_MESSAGE = 256
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 _new_key = partial(tuple.__new__, KvBlockKey)
 _new_record = partial(tuple.__new__, CacheResidency)
 
@@ -223,18 +228,31 @@ class ReplicaLog:
             self._flush_handle = loop.call_later(self.flush_delay_s, self.flush)
 
     def flush(self) -> None:
-        """Send what was queued to every subscriber, as one message."""
+        """Send what was queued to every subscriber: one message, or several for a
+        long backlog (its closes in the last, after every open they may close)."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
         if not self._opened and not self._closed:
             return
-        message = self._message(
-            opened=[_opened_to_proto(*item) for item in self._opened], closed=self._closed
-        )
+        opened = [_opened_to_proto(*item) for item in self._opened]
+        messages = self._messages(opened, self._closed)
         self._opened, self._closed = [], []
         for queue in self._subscribers.values():
-            self._offer(queue, message)
+            for message in messages:
+                self._offer(queue, message)
+
+    def _messages(self, opened: list, closed: list, *, snapshot: bool = False) -> list:
+        step = OPENED_PER_MESSAGE
+        chunks = [opened[i : i + step] for i in range(0, len(opened), step)] or [[]]
+        return [
+            self._message(
+                snapshot=snapshot and i == 0,
+                opened=chunk,
+                closed=closed if i == len(chunks) - 1 else (),
+            )
+            for i, chunk in enumerate(chunks)
+        ]
 
     def _offer(self, queue: asyncio.Queue, message) -> None:
         try:
@@ -243,7 +261,7 @@ class ReplicaLog:
             self.overflows += 1
             while not queue.empty():
                 queue.get_nowait()
-            queue.put_nowait(None)
+            queue.put_nowait(None)  # its stream ends there (RESOURCE_EXHAUSTED)
 
     def _message(self, *, snapshot: bool = False, opened=(), closed=()) -> conductor_pb2.LoadDeltas:
         return conductor_pb2.LoadDeltas(
@@ -255,8 +273,9 @@ class ReplicaLog:
             heartbeat_s=self.heartbeat_s,
         )
 
-    def snapshot(self) -> conductor_pb2.LoadDeltas:
-        """Every open reservation, with what remains of its prefill time and TTL."""
+    def snapshot(self) -> list[conductor_pb2.LoadDeltas]:
+        """Every open reservation, with what remains of its prefill time and TTL (the
+        first message says snapshot)."""
         state = self.state
         now = state.clock()
         due = {res_id: at for at, res_id in state._prefill_due}
@@ -272,7 +291,7 @@ class ReplicaLog:
             )
             for res in state.reservations.values()
         ]
-        return self._message(snapshot=True, opened=opened)
+        return self._messages(opened, [], snapshot=True)
 
     # --- the servicer --------------------------------------------------------------------
 
@@ -281,16 +300,17 @@ class ReplicaLog:
         queue: asyncio.Queue = asyncio.Queue(QUEUE_MAX)
         self._next_id += 1
         sub_id = self._next_id
-        first = self.snapshot()
+        snapshot = self.snapshot()
         self._subscribers[sub_id] = queue
         logger.info(
             "conductor %s streams our reservations (%d open)",
             request.conductor_id or "?",
-            len(first.opened),
+            sum(len(m.opened) for m in snapshot),
         )
         try:
-            yield first
-            self.messages_sent += 1
+            for message in snapshot:
+                yield message
+                self.messages_sent += 1
             while True:
                 try:
                     message = await asyncio.wait_for(queue.get(), self.heartbeat_s)
@@ -383,7 +403,7 @@ class ReplicaPeers:
         quiet = False
         while True:
             try:
-                async with grpc_channel(address, self.tls) as channel:
+                async with grpc_channel(address, self.tls, CHANNEL_OPTIONS) as channel:
                     stub = conductor_pb2_grpc.ConductorReplicaStub(channel)
                     call = stub.Sync(conductor_pb2.SyncRequest(conductor_id=self.node_id))
                     while True:

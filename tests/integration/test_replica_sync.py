@@ -23,8 +23,8 @@ MODEL, TOKENIZER, BS = "sim-model", "builtin-v1", 16
 SILENCE_S = 1.0
 
 
-def request(n: int, request_id: str, exclude=()) -> conductor_pb2.PlanRequest:
-    tokens = list(range(10_000 * n, 10_000 * n + 64 * BS))
+def request(n: int, request_id: str, exclude=(), blocks: int = 64) -> conductor_pb2.PlanRequest:
+    tokens = list(range(100_000 * n, 100_000 * n + blocks * BS))
     keys = request_blocks(
         tokens,
         BS,
@@ -58,20 +58,30 @@ def finish(stub, reservation_id: str, *, success: bool = False) -> None:
     )
 
 
-@pytest.fixture
-def replicas(etcd_server, fleet):
+FLAGS = ["--replica-silence-s", str(SILENCE_S), "--replica-heartbeat-s", "0.1"]
+
+
+def engines(etcd_server) -> None:
     lease = etcdctl(etcd_server, "lease", "grant", "600").split()[1]
     for engine in ("e1", "e2"):
         put_engine(etcd_server, engine, model=MODEL, tokenizer=TOKENIZER, lease=lease)
-    flags = ["--replica-silence-s", str(SILENCE_S), "--replica-heartbeat-s", "0.1"]
-    a = fleet.conductor("--node-id", "conductor-a", *flags, name="conductor-a")
-    b = fleet.conductor("--node-id", "conductor-b", *flags, name="conductor-b")
-    for proc in (a, b):
+
+
+def streaming(*procs) -> None:
+    for proc in procs:
         wait_until(
             lambda p=proc: p.metric("quillcache_replica_peers_streaming") == 1,
             timeout_s=10,
             what=f"{proc.name} streaming its peer's reservations",
         )
+
+
+@pytest.fixture
+def replicas(etcd_server, fleet):
+    engines(etcd_server)
+    a = fleet.conductor("--node-id", "conductor-a", *FLAGS, name="conductor-a")
+    b = fleet.conductor("--node-id", "conductor-b", *FLAGS, name="conductor-b")
+    streaming(a, b)
     with a.channel("gateway") as ca, b.channel("gateway") as cb:
         yield a, conductor_pb2_grpc.ConductorStub(ca), conductor_pb2_grpc.ConductorStub(cb)
 
@@ -82,7 +92,9 @@ def test_a_reservation_on_one_replica_counts_on_the_other(replicas):
     opened = [on_a.Plan(request(n, f"a{n}", exclude=["e2"]), timeout=5) for n in range(6)]
     assert {p.engine_id for p in opened} == {"e1"}
     started = time.monotonic()
-    wait_until(lambda: inflight(on_b).get("e1") == 6, timeout_s=2, what="A's load on B")
+    wait_until(
+        lambda: inflight(on_b).get("e1") == 6, timeout_s=2, interval_s=0.001, what="A's load on B"
+    )
     print(f"six reservations visible on the other replica after {time.monotonic() - started:.3f}s")
     # B spreads its own plans away from the engine A loaded.
     for n in range(10, 14):
@@ -98,7 +110,7 @@ def test_a_reservation_on_one_replica_counts_on_the_other(replicas):
     for plan in opened:
         finish(on_a, plan.reservation_id, success=True)
     started = time.monotonic()
-    wait_until(lambda: inflight(on_b).get("e1") == 0, timeout_s=2, what="A's finishes on B")
+    wait_until(lambda: inflight(on_b).get("e1") == 0, timeout_s=2, interval_s=0.001, what="on B")
     print(f"six finishes visible on the other replica after {time.monotonic() - started:.3f}s")
     # Served: e1 holds the prompts now (it publishes no events: the plan's blocks are
     # resident at Finish), for B as for A.
@@ -122,3 +134,23 @@ def test_the_load_of_a_killed_replica_expires_on_the_other(replicas):
     # Its blocks are no longer promised either: a repeat of its prompt is a miss on B.
     repeat = on_b.Plan(request(1, "b-repeat"), timeout=5)
     assert repeat.hit_blocks == 0, repeat
+
+
+def test_a_replica_started_later_gets_every_open_reservation(etcd_server, fleet):
+    """The snapshot a new (or restarted) replica receives: 320 open reservations of
+    1,024-block prompts (over 5 MB of overlay, more than one gRPC message may carry)."""
+    engines(etcd_server)
+    a = fleet.conductor("--node-id", "conductor-a", *FLAGS, name="conductor-a")
+    with a.channel("gateway") as channel:
+        on_a = conductor_pb2_grpc.ConductorStub(channel)
+        for n in range(320):
+            on_a.Plan(request(n, f"a{n}", blocks=1024), timeout=10)
+        b = fleet.conductor("--node-id", "conductor-b", *FLAGS, name="conductor-b")
+        streaming(b)
+        with b.channel("gateway") as channel_b:
+            on_b = conductor_pb2_grpc.ConductorStub(channel_b)
+            wait_until(lambda: sum(inflight(on_b).values()) == 320, timeout_s=5, what="all")
+            assert inflight(on_b) == inflight(on_a)
+            # And the overlay came with them: a repeat of the last prompt hits on B.
+            repeat = on_b.Plan(request(319, "b-repeat", blocks=1024), timeout=10)
+            assert repeat.hit_blocks == 1024, repeat
