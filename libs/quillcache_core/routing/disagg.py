@@ -26,6 +26,7 @@ gates it: a request that decodes a few tokens gains nothing from a second engine
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -118,8 +119,20 @@ def leading_held(
     return held
 
 
-def _block_tokens(request: RequestShape, blocks: int) -> int:
-    return sum(key.token_count for key in request.blocks[:blocks])
+def hbm_prefixes(usable: Sequence[Sequence[CacheResidency]]) -> dict[str, int]:
+    """Per worker, how many leading blocks of the request it holds in HBM (one pass over
+    the residencies, instead of one per engine: a plan prices every prefill candidate)."""
+    held: dict[str, int] = {}
+    alive: set[str] | None = None
+    hbm = CacheTier.HBM
+    for index, found in enumerate(usable):
+        here = {r.worker_id for r in found if r.tier is hbm}
+        alive = here if alive is None else alive & here
+        if not alive:
+            break
+        for worker in alive:
+            held[worker] = index + 1
+    return held
 
 
 def choose(
@@ -154,23 +167,26 @@ def choose(
         return SplitChoice(False, None, "colocated; no other engine can prefill")
     tokens = request.input_tokens()
     out = request.estimated_decode_tokens
+    if mode == "auto" and decode_role != DECODE and out < settings.min_decode_tokens:
+        # Nothing to weigh (and the plan's hot path stays short).
+        return SplitChoice(
+            False, None, f"colocated; short output ({out} < {settings.min_decode_tokens} tokens)"
+        )
+    cum = [0, *itertools.accumulate(key.token_count for key in request.blocks)]  # tokens of n
     # The prompt's full blocks the engine can load; at least one token is always computed.
-    full = (
-        len(request.blocks)
-        if tokens > _block_tokens(request, len(request.blocks))
-        else max(0, len(request.blocks) - 1)
-    )
-    d_hbm = min(full, leading_held(usable, decode, with_store=False))
+    full = len(request.blocks) if tokens > cum[-1] else max(0, len(request.blocks) - 1)
+    in_hbm = hbm_prefixes(usable)
+    d_hbm = min(full, in_hbm.get(decode.id, 0))
     d_pool = min(full, leading_held(usable, decode, with_store=True))
-    colocated_prefill = float(cost_model.prefill_cost_us(tokens - _block_tokens(request, d_hbm)))
+    colocated_prefill = float(cost_model.prefill_cost_us(tokens - cum[d_hbm]))
     stall_d = decode.running_decodes * colocated_prefill
     colocated = colocated_ttft_us + stall_d
     block_mb = max(1, -(-request.block_bytes // MIB))
     load_us_per_block = cost_model.cpu_dram_us_per_mb * block_mb
     best = SplitChoice(False, None, "", split_us=math.inf)
     for p in prefillers:
-        p_hbm = min(full, leading_held(usable, p, with_store=False))
-        compute = tokens - _block_tokens(request, p_hbm)
+        p_hbm = min(full, in_hbm.get(p.id, 0))
+        compute = tokens - cum[p_hbm]
         prefill_us = float(cost_model.prefill_cost_us(compute))
         queue_us = float(cost_model.queue_cost_us(p))
         moved = max(0, full - d_pool)
@@ -209,7 +225,7 @@ def choose(
     elif out < settings.min_decode_tokens:
         reason = f"colocated; short output ({out} < {settings.min_decode_tokens} tokens)"
         return _with(best, False, reason)
-    elif d_hbm and tokens - _block_tokens(request, d_hbm) <= request.blocks[0].token_count:
+    elif d_hbm and tokens - cum[d_hbm] <= request.blocks[0].token_count:
         return _with(best, False, f"colocated; {decode.id} holds the prompt; {terms}")
     elif best.split_us < colocated * (1.0 - settings.margin):
         why = "cheaper"
