@@ -291,3 +291,13 @@ def test_with_a_clock_a_busy_fleet_keeps_a_prefix_on_its_only_holder():
     engines = [engine("e0", queued_prefill_tokens=889), engine("e1")]
     engines += [engine(f"b{i}", queued_prefill_tokens=5000) for i in range(6)]
     assert CostPlanner(cm).plan(req, usable, Fleet(engines, {}), random.Random(0)).engine.id == "e1"
+
+
+def test_with_a_clock_exact_ties_go_to_the_emptiest_cache():
+    req = make_request(4)
+    engines = [engine("e0", resident_blocks=900), engine("e1", resident_blocks=10)]
+    engines.append(engine("e2", resident_blocks=500))
+    planner = CostPlanner(CM, clock=_Clock())
+    for seed in range(5):
+        fleet = Fleet(engines, {})
+        assert planner.plan(req, usable_from(req), fleet, random.Random(seed)).engine.id == "e1"

@@ -132,8 +132,9 @@ class CostPlanner(Policy):
     of the work left, drained at one µs of queue per µs elapsed, raised by each rise of
     the observed queue, and never above it. With a clock the choice also weighs
     duplicated work under load (`_weighted_totals`), and `cost_us` is that weighted
-    total while `est_ttft_us` stays queue + fetch + prefill. Without a clock the
-    planner is the plain cost function above.
+    total while `est_ttft_us` stays queue + fetch + prefill; exact ties go to the engine
+    caching the fewest blocks. Without a clock the planner is the plain cost function
+    above.
     """
 
     name = "quillcache"
@@ -242,7 +243,10 @@ class CostPlanner(Policy):
         else:
             queue = self._drained(engines, queue)
             total = _weighted_totals(queue, row_of, decode)
-        chosen_index = _pick_lowest(total, rng, self.temperature)
+        if self.clock is not None and self.temperature == 0.0:
+            chosen_index = _pick_lowest_emptiest(total, engines, rng)
+        else:
+            chosen_index = _pick_lowest(total, rng, self.temperature)
         engine = engines[chosen_index]
         actions = _run_actions(
             cm,
@@ -377,6 +381,24 @@ def _pick_lowest(total: list[float], rng: random.Random, temperature: float) -> 
         return pick_min(np.array(total, dtype=np.float64), rng, temperature)
     low = min(total)
     ties = [i for i, cost in enumerate(total) if cost == low]
+    if len(ties) == 1:
+        return ties[0]
+    return ties[rng.randrange(len(ties))]
+
+
+def _pick_lowest_emptiest(
+    total: list[float], engines: Sequence[WorkerState], rng: random.Random
+) -> int:
+    """The lowest cost; among exact ties the engine caching the fewest blocks, then at random.
+
+    Ties are idle engines offered a prefix nobody holds: the emptiest cache evicts the
+    least that later requests could reuse (SGLang's smallest tree, by KV events).
+    """
+    low = min(total)
+    ties = [i for i, cost in enumerate(total) if cost == low]
+    if len(ties) > 1:
+        fewest = min(engines[i].resident_blocks for i in ties)
+        ties = [i for i in ties if engines[i].resident_blocks == fewest]
     if len(ties) == 1:
         return ties[0]
     return ties[rng.randrange(len(ties))]
