@@ -13,8 +13,8 @@ import secrets
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from quillcache_conductor.listener import ReservationListener
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
 from quillcache_core.identity.hashing import keys_from_hashes
 from quillcache_core.index.base import IndexBackend
@@ -98,15 +98,6 @@ class PlanOutcome:
     # Prefill/decode disaggregation: the choice, and the prefill's own reservation.
     split: disagg.SplitChoice | None = None
     prefill_reservation_id: str = ""
-
-
-class ReservationListener(Protocol):
-    """Told of every reservation opened and closed here (replica_sync.py shares them
-    with the other conductor replicas). Called on the hot path: must only queue."""
-
-    def opened(self, res: Reservation, prefill_s: float) -> None: ...
-
-    def closed(self, res: Reservation, linger_s: float, resident: bool) -> None: ...
 
 
 class ConductorState:
