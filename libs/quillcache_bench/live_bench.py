@@ -49,11 +49,13 @@ from quillcache_bench.live_systems import (
     ROUTERS,
     SYSTEMS,
     Engine,
+    metric_sum,
+    metric_text,
     start_router,
     tree_cpu_s,
 )
 from quillcache_bench.live_workloads import WORKLOADS, Target, drive, make_sessions
-from quillcache_bench.secure import tenant_context
+from quillcache_bench.secure import operator_context, tenant_context
 from quillcache_core.errors import InvalidArgument
 
 LOADS = ("light", "heavy")
@@ -79,13 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     p.add_argument("--loads", default=",".join(LOADS), help="comma-separated: light, heavy")
-    p.add_argument("--light-rps", type=float, default=3.0, help="light load, requests/s")
-    p.add_argument("--heavy-rps", type=float, default=8.0, help="heavy load, requests/s")
+    p.add_argument("--light-rps", type=float, default=4.0, help="light load, requests/s")
+    p.add_argument("--heavy-rps", type=float, default=24.0, help="heavy load, requests/s")
     p.add_argument(
         "--duration-s",
         type=float,
         default=0.0,
-        help="seconds of arrivals per run (default 30, 5 with --quick)",
+        help="seconds of arrivals per run (default 30, 4 with --quick)",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default="bench/results")
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     systems = _names(args.systems, SYSTEMS, "systems")
     workloads = _names(args.workloads, WORKLOADS, "workloads")
     loads = _names(args.loads, LOADS, "loads")
-    duration = args.duration_s or (5.0 if args.quick else 30.0)
+    duration = args.duration_s or (4.0 if args.quick else 30.0)
     rates = {"light": args.light_rps, "heavy": args.heavy_rps}
     cells = [(w, load) for w in workloads for load in loads]
     started = time.monotonic()
@@ -143,10 +145,13 @@ def main(argv: list[str] | None = None) -> int:
                 for workload, load in cells:
                     done += 1
                     label = f"[{done}/{total}] {system} {workload}/{load}"
+                    fallbacks0 = _fallbacks(endpoints)
                     figures, detail = _run(
                         args, system, workload, load, rates[load], duration, target, engines,
                         pids, everything_ours, label,
                     )  # fmt: skip
+                    if router is None:
+                        detail["gateway_plan_fallbacks"] = _fallbacks(endpoints) - fallbacks0
                     results.setdefault((workload, load), {})[system] = figures
                     details.setdefault((workload, load), {})[system] = detail
                     print(
@@ -154,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"errors {figures['errors']}, load max/mean "
                         f"{figures['load_max_over_mean']:.2f}, cached "
                         f"{100 * figures['cached_token_share']:.0f}%, CPU "
-                        f"{figures['control_cpu_s']:.2f} s ({time.monotonic() - started:.0f}s)",
+                        f"{figures['control_cpu_s']:.2f} s"
+                        + (
+                            f", {detail['gateway_plan_fallbacks']:.0f} plan fallbacks"
+                            if "gateway_plan_fallbacks" in detail
+                            else ""
+                        )
+                        + f" ({time.monotonic() - started:.0f}s)",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -168,6 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     _report(args, runs, details, rates, duration, time.monotonic() - started)
     return 0
+
+
+def _fallbacks(endpoints: dict) -> float:
+    """Requests the gateway routed without the conductor so far (its Plan too slow or
+    failing: `quillcache_gateway_plan_fallbacks_total`); -1 if the metrics cannot be read."""
+    try:
+        text = metric_text(endpoints["metrics"]["gateway"], operator_context(endpoints))
+    except (OSError, ValueError, KeyError):
+        return -1.0
+    return metric_sum(text, "quillcache_gateway_plan_fallbacks_total")
 
 
 def _start_cluster(args, data_dir: Path):
@@ -234,6 +255,7 @@ def _run(
     detail = {
         "requests": len(samples),
         "served_per_engine": [c.requests for c in served],
+        "fetched_blocks": sum(c.fetched_blocks for c in served),
         "quillcache_processes_cpu_s": round(all1 - all0, 3),
         "first_errors": [s.error for s in samples if s.error][:3],
     }

@@ -110,7 +110,7 @@ class RouterProcess:
 
     def _ready(self, workers: int) -> bool:
         try:
-            _get_text(f"{self.url}/v1/models")
+            metric_text(f"{self.url}/v1/models")
         except (OSError, ValueError):
             return False
         try:
@@ -201,13 +201,15 @@ def tree_cpu_s(pids: list[int]) -> float:
 class EngineCounters:
     requests: float = 0.0
     prompt_tokens: float = 0.0
-    cached_tokens: float = 0.0
+    cached_tokens: float = 0.0  # prompt tokens not computed: hits and fetched blocks
+    fetched_blocks: float = 0.0  # blocks loaded from a store (sim engines only)
 
     def minus(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(
             self.requests - other.requests,
             self.prompt_tokens - other.prompt_tokens,
             self.cached_tokens - other.cached_tokens,
+            self.fetched_blocks - other.fetched_blocks,
         )
 
 
@@ -227,12 +229,13 @@ class Engine:
                 stats["requests"],
                 stats["prompt_tokens"],
                 stats["prompt_tokens"] - stats["computed_tokens"],
+                stats["fetched_blocks"],
             )
-        text = _get_text(f"{self.url}/metrics")
+        text = metric_text(f"{self.url}/metrics")
         return EngineCounters(
-            _metric_sum(text, "vllm:request_success_total"),
-            _metric_sum(text, "vllm:prompt_tokens_total"),
-            _metric_sum(text, "vllm:prefix_cache_hits_total"),
+            metric_sum(text, "vllm:request_success_total"),
+            metric_sum(text, "vllm:prompt_tokens_total"),
+            metric_sum(text, "vllm:prefix_cache_hits_total"),
         )
 
     def reset_cache(self) -> bool:
@@ -246,16 +249,17 @@ class Engine:
             return False
 
 
-def _get_text(url: str, context: ssl.SSLContext | None = None) -> str:
+def metric_text(url: str, context: ssl.SSLContext | None = None) -> str:
+    """The body of a GET (a metrics page, a JSON answer) as text."""
     with urllib.request.urlopen(url, timeout=10.0, context=context) as reply:
         return reply.read().decode("utf-8", "replace")
 
 
 def _get_json(url: str) -> dict:
-    return json.loads(_get_text(url))
+    return json.loads(metric_text(url))
 
 
-def _metric_sum(text: str, name: str) -> float:
+def metric_sum(text: str, name: str) -> float:
     """Sum of every sample of a Prometheus metric (any labels) in an exposition."""
     total = 0.0
     for line in text.splitlines():
