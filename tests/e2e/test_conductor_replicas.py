@@ -1,11 +1,13 @@
 """`quillcache up --conductors 2` (LocalCluster(conductors=2)): the endpoints list both
-replicas, both index the stores' residency, and kill -9 of one leaves every request
-planned by the other (no fallback, no failure)."""
+replicas, both index the stores' residency, each streams the other's reservations
+(over the cluster's mutual TLS), and kill -9 of one leaves every request planned by the
+other (no fallback, no failure)."""
 
 from __future__ import annotations
 
 import signal
 import time
+import urllib.request
 
 import pytest
 
@@ -17,6 +19,16 @@ from tests.support.cluster import operator_tls
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _metric(endpoints, url: str, series: str) -> float:
+    """One series of a /metrics page, e.g. 'name' or 'name{label="value"}'."""
+    context = operator_tls(endpoints).client_context()
+    with urllib.request.urlopen(url, timeout=5, context=context) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(series + " "):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not on {url}")
 
 
 def _records(endpoints, address: str) -> int:
@@ -40,6 +52,11 @@ def test_two_conductors_both_index_and_one_killed_costs_no_request(tmp_path):
             timeout_s=10,
             what="both replicas indexing residency",
         )
+        for name in ("conductor", "conductor-1"):
+            url = endpoints["metrics"][name]
+            assert _metric(endpoints, url, "quillcache_replica_peers_streaming") == 1, name
+            received = 'quillcache_replica_sync_messages_total{direction="received"}'
+            assert _metric(endpoints, url, received) > 0, f"{name} heard nothing from its peer"
         conductor = next(c for c in lc.children if c.name == "conductor")
         conductor.proc.send_signal(signal.SIGKILL)
         conductor.proc.wait(timeout=5)
