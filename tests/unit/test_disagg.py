@@ -82,16 +82,16 @@ def test_what_the_engines_hold_is_neither_recomputed_nor_moved():
     request = make_request(16, decode_tokens=256)
     d, p = engine("d", running=8, store="s-d"), engine("p", store="s-p")
     hbm_p = [[CacheResidency(k, "p", CacheTier.HBM, request.block_bytes)] for k in request.blocks]
-    choice = choose(request, d, "both", [(p, "both")], usable=hbm_p)
+    choice = choose(request, d, "both", [(p, "prefill")], usable=hbm_p)
     assert choice.split and choice.prefill_tokens == 16  # at least one token: the last block
     # the decode engine's own store node already has every block: nothing to move
     pool_d = [
         [CacheResidency(k, "s-d", CacheTier.CPU_DRAM, request.block_bytes)] for k in request.blocks
     ]
-    assert choose(request, d, "both", [(p, "both")], usable=pool_d).transfer_blocks == 0
+    assert choose(request, d, "both", [(p, "prefill")], usable=pool_d).transfer_blocks == 0
     # the decode engine holds the whole prompt in HBM: nothing to split
     hbm_d = [[CacheResidency(k, "d", CacheTier.HBM, request.block_bytes)] for k in request.blocks]
-    held = choose(request, d, "both", [(p, "both")], usable=hbm_d)
+    held = choose(request, d, "both", [(p, "prefill")], usable=hbm_d)
     assert not held.split and "holds the prompt" in held.reason
 
 
@@ -199,3 +199,13 @@ def test_a_sim_engines_prefill_stalls_its_running_decodes_when_asked(stalls):
         assert times[-1] >= 0.06
     else:
         assert max(gaps) < 0.02 and times[-1] < 0.05
+
+
+@pytest.mark.unit
+def test_a_fleet_of_both_engines_is_split_only_when_asked():
+    request = make_request(16, decode_tokens=256)
+    d, p = engine("d", running=8), engine("p")
+    assert not choose(request, d, "both", [(p, "both")]).split  # auto: no prefill engine
+    assert choose(request, d, "both", [(p, "both")], mode="split").split
+    # a decode-only engine may have a both engine prefill for it
+    assert choose(request, d, "decode", [(p, "both")]).split

@@ -149,8 +149,11 @@ def choose(
 ) -> SplitChoice:
     """Split or colocated for a request the policy placed on `decode`.
 
-    `candidates` are the other eligible engines with their roles; those with role
-    `prefill` or `both` may prefill. `colocated_ttft_us` is the policy's estimate of the
+    `candidates` are the other eligible engines with their roles. Who may prefill: in
+    "auto" mode, for an engine of role `both` only engines of role `prefill` (a fleet
+    of `both` engines, the default, is never split unasked: the operator opts in by
+    giving engines roles), for a `decode` engine those of role `prefill` or `both`;
+    asked to "split", any `prefill` or `both` engine. `colocated_ttft_us` is the policy's estimate of the
     request's TTFT on `decode`. `usable` is the guard's per-block residencies (the
     request's usable prefix). A `decode`-only engine is split whenever any engine can
     prefill for it (colocated is then only a fallback); `mode` "colocated" never
@@ -158,7 +161,8 @@ def choose(
     """
     if mode not in MODES:
         mode = "auto"
-    prefillers = [e for e, role in candidates if role in (PREFILL, BOTH) and e.id != decode.id]
+    may = (PREFILL,) if mode == "auto" and decode_role == BOTH else (PREFILL, BOTH)
+    prefillers = [e for e, role in candidates if role in may and e.id != decode.id]
     if not settings.enabled:
         return SplitChoice(False, None, "colocated; disaggregation off")
     if mode == "colocated":
