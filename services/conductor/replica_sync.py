@@ -274,8 +274,9 @@ class ReplicaLog:
         )
 
     def snapshot(self) -> list[conductor_pb2.LoadDeltas]:
-        """Every open reservation, with what remains of its prefill time and TTL (the
-        first message says snapshot)."""
+        """Every open reservation, with what remains of its prefill time and TTL, and
+        every finished one whose overlay still lingers (opened and closed at once, with
+        what remains of its linger). The first message says snapshot."""
         state = self.state
         now = state.clock()
         due = {res_id: at for at, res_id in state._prefill_due}
@@ -291,7 +292,15 @@ class ReplicaLog:
             )
             for res in state.reservations.values()
         ]
-        return self._messages(opened, [], snapshot=True)
+        closed = []
+        for until, res in state._lingering:
+            if res.optimistic and until > now:
+                left = until - now  # (its TTL too: a tick between two messages keeps it)
+                opened.append(
+                    _opened_to_proto(res.id, res.engine_id, 0, 0, 0, left, res.optimistic)
+                )
+                closed.append(conductor_pb2.ReservationClosed(reservation_id=res.id, linger_s=left))
+        return self._messages(opened, closed, snapshot=True)
 
     # --- the servicer --------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from quillcache_conductor.peer_load import ClosedLoad, PeerLoad
-from quillcache_conductor.replica_sync import _opened_to_proto, opened_from_proto
+from quillcache_conductor.replica_sync import ReplicaLog, _opened_to_proto, opened_from_proto
 from quillcache_conductor.state import OPTIMISTIC_LINGER_S
 from tests.unit.factories import make_request
 from tests.unit.test_conductor_optimistic import make_state
@@ -119,3 +119,33 @@ def test_the_wire_keeps_every_overlay_record(shape):
     assert bool(msg.packed_hashes) == (shape != "odd hashes")
     assert (not msg.prefix_hashes) == (shape == "chain")
     assert opened_from_proto(msg).records == records
+
+
+def test_a_snapshot_carries_open_reservations_and_lingering_overlays():
+    """What a replica that (re)connects receives: the load of the open reservations and
+    the overlay of the finished ones still waiting for their engine's events."""
+    a, b, peers, clock = pair()
+    a.listener = None  # only the snapshot travels
+    running = a.plan(make_request(8, seed=1))
+    done = a.plan(make_request(8, seed=2))
+    a.finish(done.reservation_id, "success")  # its overlay lingers on A
+    clock.now += 0.5
+    for message in ReplicaLog(a, "a", 1.0).snapshot():
+        peers.apply(
+            "a",
+            message.start_time_s,
+            snapshot=message.snapshot,
+            opened=[opened_from_proto(m) for m in message.opened],
+            closed=[ClosedLoad(m.reservation_id, m.linger_s, m.resident) for m in message.closed],
+        )
+    engine = running.decision.engine.id
+    assert sum(load(b, e)[0] for e in b.engines) == 1 and load(b, engine)[0] == 1
+    for seed, outcome in ((1, running), (2, done)):
+        probe = b.plan(make_request(8, seed=seed))
+        chosen = (probe.decision.engine.id, probe.decision.chosen.hit_blocks)
+        assert chosen == (outcome.decision.engine.id, 8), seed
+        b.finish(probe.reservation_id, "cancelled")
+    clock.now += OPTIMISTIC_LINGER_S  # past the linger that remained
+    peers.tick()
+    probe = b.plan(make_request(8, seed=2))
+    assert probe.decision.chosen.hit_blocks == 0
