@@ -201,6 +201,17 @@ class PeerLoad:
             )
         return len(view.held)
 
+    def engine_restarted(self, engine_id: str) -> None:
+        """The engine's cache is empty now: the peers' optimistic records on it go (their
+        load stays: their requests are the old run's, released as they close)."""
+        for view in self.peers.values():
+            for held in view.held.values():
+                if held.res.engine_id == engine_id:
+                    self.state._forget_optimistic(held.res)
+        for _, res in self._lingering:
+            if res.engine_id == engine_id:
+                self.state._forget_optimistic(res)
+
     def open_reservations(self) -> int:
         return sum(len(v.held) for v in self.peers.values())
 

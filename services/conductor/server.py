@@ -401,6 +401,7 @@ class ConductorServer:
         elif record.kind == "engine":
             if self.state.engine_joined(record):
                 self.events.engine_restarted(record.id)
+                self.peer_load.engine_restarted(record.id)
             self.events.engine_joined(record)
         else:
             self.state.store_joined(record)

@@ -10,7 +10,7 @@ from quillcache_conductor.peer_load import ClosedLoad, PeerLoad
 from quillcache_conductor.replica_sync import ReplicaLog, _opened_to_proto, opened_from_proto
 from quillcache_conductor.state import OPTIMISTIC_LINGER_S
 from tests.unit.factories import make_request
-from tests.unit.test_conductor_optimistic import make_state
+from tests.unit.test_conductor_optimistic import engine_record, make_state
 
 
 class Wire:
@@ -149,3 +149,15 @@ def test_a_snapshot_carries_open_reservations_and_lingering_overlays():
     peers.tick()
     probe = b.plan(make_request(8, seed=2))
     assert probe.decision.chosen.hit_blocks == 0
+
+
+def test_an_engine_restart_ends_the_peers_overlay_on_it():
+    a, b, peers, _ = pair()
+    running = a.plan(make_request(8, seed=1))
+    engine = running.decision.engine.id
+    b.engine_joined(engine_record(engine, True, start_time_s=200.0))  # a new run
+    peers.engine_restarted(engine)
+    assert not b.optimistic
+    assert load(b, engine)[0] == 1  # its request is still counted until A closes it
+    a.finish(running.reservation_id, "error")
+    assert load(b, engine) == (0, 0, 0)
