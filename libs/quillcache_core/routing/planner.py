@@ -12,7 +12,12 @@ and cost(w) = min_k est_ttft(w, k) + decode_cost(w). Lowest cost wins; exact tie
 break at random with the injected RNG; temperature T > 0 samples
 p_w ~ exp(-(c_w - c_min) / ((c_max - c_min) * T)) as Dynamo does.
 
-Pure: no I/O, no clock. Blocks with the same copies (same workers, tiers and sizes)
+Given a clock (µs, `bind_clock`; the fleet simulator passes its virtual one) the queue
+term drains with time, duplicated work weighs more under load and exact ties go to the
+emptiest cache (`CostPlanner`, `_weighted_totals`); without one the planner is exactly
+the function above.
+
+Pure: no I/O, and no clock but the one it is given. Blocks with the same copies (same workers, tiers and sizes)
 form runs, and within a run the estimate is linear in the prefix length, so the best
 prefix ends at a run boundary. Costs are rows of per-run prices: one per locality
 domain (store-node copies priced once per domain), plus one for each engine that holds
