@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from quillcache_conductor import overlay
 from quillcache_conductor.listener import ReservationListener
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
 from quillcache_core.identity.hashing import keys_from_hashes
@@ -28,7 +29,6 @@ from quillcache_core.model import (
 )
 from quillcache_core.registry import NodeRecord
 from quillcache_core.routing import disagg
-from quillcache_core.routing.actions import action_runs
 from quillcache_core.routing.decide import plan_request
 from quillcache_core.routing.policy import Fleet, PlanDecision, Policy
 
@@ -604,31 +604,8 @@ class ConductorState:
 
     def _record_optimistic(self, decision: PlanDecision, request: RequestShape) -> list:
         """Overlay records for the request's blocks not already in its engine's HBM."""
-        engine = decision.engine.id
-        hbm = CacheTier.HBM
-        blocks = request.blocks
-        parts = self.engine_block_parts(engine)
-        if parts > 1:  # the engine caches whole blocks of its own size only
-            blocks = blocks[: len(blocks) // parts * parts]
-        held = [
-            (run.first, run.first + run.count)
-            for run in action_runs(decision.actions)
-            if run.source_tier is hbm and run.source_node == engine
-        ]
-        if not held:
-            new = blocks
-        elif len(held) == 1 and held[0][0] == 0:  # the rule: the hits are a prefix
-            new = blocks[held[0][1] :]
-        else:
-            skip = {i for first, end in held for i in range(first, end)}
-            new = [key for i, key in enumerate(blocks) if i not in skip]
-        nbytes = request.block_bytes
-        make = tuple.__new__
-        records = [make(CacheResidency, (key, engine, hbm, nbytes, 0, 0, False)) for key in new]
-        slot = self.optimistic.setdefault
-        for record in records:
-            slot(record[0][5], []).append(record)  # key.block_hash
-        return records
+        parts = self.engine_block_parts(decision.engine.id)
+        return overlay.record(self.optimistic, decision, request.blocks, request.block_bytes, parts)
 
     def overlay_released(self, engine_id: str, block_hash: str | None) -> None:
         """The engine's events say its HBM no longer holds the block (None: nothing):
@@ -640,14 +617,7 @@ class ConductorState:
                 if res.engine_id == engine_id:
                     self._forget_optimistic(res)
             return
-        found = self.optimistic.get(block_hash)
-        if found is None:
-            return
-        kept = [record for record in found if record[1] != engine_id]  # record.worker_id
-        if not kept:
-            del self.optimistic[block_hash]
-        elif len(kept) < len(found):
-            self.optimistic[block_hash] = kept
+        overlay.release(self.optimistic, engine_id, block_hash)
 
     def _tell_closed(self, res: Reservation, linger_s: float, *, resident: bool) -> None:
         if self.listener is not None:
@@ -665,21 +635,7 @@ class ConductorState:
             self._lingering = kept
 
     def _forget_optimistic(self, res: Reservation) -> None:
-        overlay = self.optimistic
-        get = overlay.get
-        for record in res.optimistic:
-            block_hash = record[0][5]  # record.key.block_hash, without two property calls
-            found = get(block_hash)
-            if found is None:
-                continue
-            if len(found) == 1:
-                if found[0] is record:
-                    del overlay[block_hash]
-                continue
-            for i, other in enumerate(found):
-                if other is record:
-                    del found[i]
-                    break
+        overlay.forget(self.optimistic, res.optimistic)
         res.optimistic = []
 
     def _engine_info(self, engine_id: str) -> EngineInfo | None:
