@@ -53,7 +53,10 @@ class ConductorServer:
             config.index_backend, config.index_path or None, sync_commits=False, mirror=True
         )
         cost_model = CostModel() if config.seed_queue_cost else CostModel().queue_at_prefill_speed()
-        policy = make_policy(config.policy, cost_model, config.temperature)
+        # Our planner drains its queue estimate with the wall clock (µs) between plans.
+        policy = make_policy(
+            config.policy, cost_model, config.temperature, clock=lambda: time.monotonic() * 1e6
+        )
         if hasattr(policy, "alternatives"):
             # Replies list this many other engines: cost out no more than that.
             policy.alternatives = config.plan_alternatives

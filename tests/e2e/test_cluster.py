@@ -362,7 +362,9 @@ def test_quillcache_up_writes_endpoints_and_stops_cleanly_on_sigterm(tmp_path):
             "tls",
         }
         assert set(endpoints["tls"]) == {"ca", "cert", "key"}
-        assert endpoints["conductors"] == [endpoints["conductor"]]  # one by default
+        # Two replicas by default; "conductor" (for old clients) is the first.
+        assert len(endpoints["conductors"]) == 2
+        assert endpoints["conductor"] == endpoints["conductors"][0]
         assert len(endpoints["stores"]) == 2 and len(endpoints["engines"]) == 2
         assert set(endpoints["api_keys"]) == {"acme", "globex"}
         headers, _, text = chat(client_for(endpoints), "hello")

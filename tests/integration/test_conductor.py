@@ -211,7 +211,9 @@ def test_concurrent_plans_without_finish_spread_instead_of_piling_on_the_hot_eng
     assert sum(inflight.values()) == 201 - 1  # every Plan reserved, the warm-up was finished
     mean = sum(inflight.values()) / 4
     assert max(inflight.values()) / mean <= 1.5, inflight
-    assert inflight[warm.engine_id] == max(inflight.values()), "the hot engine still takes the most"
+    # Under a burst load dominates: the hot engine takes about its share, no less (its
+    # prefix is 8 of a request's 32 blocks).
+    assert inflight[warm.engine_id] >= 0.9 * mean, inflight
 
 
 def test_max_others_trims_the_reply_to_the_cheapest_other_engines(etcd_server, conductor):
