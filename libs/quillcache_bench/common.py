@@ -39,6 +39,14 @@ class Progress:
             print(f"{self.label}: {pct:.0f}%", file=sys.stderr, flush=True)
 
 
+# Words for the benchmarks' synthetic prompts (the sim engines' built-in tokenizer makes
+# about two tokens of a word).
+WORDS = (
+    "the cache block token prefix engine request reply model tenant store node route plan "
+    "fetch hit miss evict offload memory disk page queue batch stream first last next"
+).split()
+
+
 def percentiles_us(samples_s: Sequence[float]) -> dict[str, float]:
     arr = np.asarray(samples_s, dtype=np.float64) * 1e6
     return {

@@ -33,17 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from quillcache_bench.common import render_table, write_results
+from quillcache_bench.common import WORDS, render_table, write_results
 from quillcache_bench.secure import operator_context, tenant_context
 from quillcache_core.launch.cluster import LocalCluster
 
 GOAL_ITL_P99 = 0.7
 GOAL_TTFT_MEAN = 1.1
 MODEL = "sim-model"
-WORDS = (
-    "the cache block token prefix engine request reply model tenant store node route plan "
-    "fetch hit miss evict offload memory disk page queue batch stream first last next"
-).split()
 
 
 def build_parser() -> argparse.ArgumentParser:

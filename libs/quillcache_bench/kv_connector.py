@@ -38,7 +38,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from quillcache_bench.common import render_table, write_results
+from quillcache_bench.common import WORDS, render_table, write_results
 from quillcache_bench.secure import INSECURE_HELP, as_gateway, operator_context
 from quillcache_core.launch import vllm_env
 from quillcache_core.launch.cluster import LocalCluster
@@ -47,10 +47,6 @@ MODES = ("recompute", "dram", "ssd", "peer")
 GOAL_DRAM_RATIO = 0.2
 LAYERS, HIDDEN = 8, 1024
 MODEL = "bench"
-WORDS = (
-    "the cache block token prefix engine request reply model tenant store node route plan "
-    "fetch hit miss evict offload memory disk page queue batch stream first last next"
-).split()
 
 
 def build_parser() -> argparse.ArgumentParser:
