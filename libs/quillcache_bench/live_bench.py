@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds of arrivals per run (default 30, 4 with --quick)",
     )
+    p.add_argument(
+        "--conductors",
+        type=int,
+        default=0,
+        help="QuillCache's conductor replicas (default: as many as `quillcache up` starts)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--data-dir", default="", help="cluster data and logs (default: a temp dir)")
@@ -117,19 +123,22 @@ def main(argv: list[str] | None = None) -> int:
             args.data_dir
             or stack.enter_context(tempfile.TemporaryDirectory(prefix="quillcache-live-"))
         )
-        print(f"starting {args.engines} {args.engine} engines and QuillCache in {data_dir}")
+        print(f"starting {args.engines} {args.engine} engines and QuillCache", flush=True)
         cluster, endpoints = _start_cluster(args, data_dir)
         stack.callback(cluster.stop)
         engines = _engines(cluster, args.engine)
         model = cluster.model
-        control = {c.name: c.proc.pid for c in cluster.children if c.proc is not None}
-        ours = [control["gateway"], control["conductor"]]
-        everything_ours = [pid for name, pid in control.items() if not name.startswith("engine")]
+        live = [c for c in cluster.children if c.proc is not None]
+        # Our control path: the gateway and every conductor replica.
+        ours = [c.proc.pid for c in live if c.service in ("gateway", "conductor")]
+        everything_ours = [c.proc.pid for c in live if not c.name.startswith("engine")]
         quillcache = Target(
             endpoints["gateway_url"], tenant_context(endpoints), endpoints["api_keys"], model
         )
         print(
-            f"up in {time.monotonic() - started:.0f}s; {len(systems)} systems x {len(cells)} runs"
+            f"{args.engines} {args.engine} engines and QuillCache ({args.conductors} "
+            f"conductors) up in {time.monotonic() - started:.0f}s in {data_dir}; "
+            f"{len(systems)} systems x {len(cells)} runs"
         )
         results: dict[tuple[str, str], dict] = {}
         details: dict[tuple[str, str], dict] = {}
@@ -193,6 +202,9 @@ def _fallbacks(endpoints: dict) -> float:
 
 def _start_cluster(args, data_dir: Path):
     from quillcache_core.launch.cluster import ClusterError, LocalCluster
+    from quillcache_core.launch.cluster import build_parser as up_parser
+
+    args.conductors = args.conductors or int(up_parser().get_default("conductors"))
 
     options = (
         {i: {"sim_args": ["--plain-http-port", "0"]} for i in range(args.engines)}
@@ -210,6 +222,7 @@ def _start_cluster(args, data_dir: Path):
         # Real vLLM has one port, and the routers cannot present client certificates:
         # with vLLM every system, ours included, runs in plaintext.
         insecure=args.engine == "vllm",
+        conductors=args.conductors,
         log=lambda *_: None,
     )
     cluster.api_keys = {t: f"qc-{t}-{hashlib.sha256(t.encode()).hexdigest()[:12]}" for t in TENANTS}
@@ -279,6 +292,7 @@ def _report(args, runs, details, rates, duration, elapsed) -> None:
             "quick": args.quick,
             "engine": args.engine,
             "engines": args.engines,
+            "conductors": args.conductors,
             "time_scale": args.time_scale,
             "rates_rps": rates,
             "duration_s": duration,
