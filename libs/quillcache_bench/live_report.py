@@ -156,7 +156,8 @@ def plot(runs: Sequence[Mapping], path: Path) -> Path:
         load = [r["systems"].get(name, {}).get("load_max_over_mean", np.nan) for r in runs]
         top.bar(x + i * width - 0.4 + width / 2, ttft, width, label=name)
         bottom.plot(x + i * width - 0.4 + width / 2, load, "o", label=name)
-    top.set_ylabel("TTFT mean (ms)")
+    top.set_yscale("log")  # light-load tens of ms beside heavy-load seconds
+    top.set_ylabel("TTFT mean (ms, log scale)")
     top.set_title("quillcache bench-live: the same engines behind each system")
     top.legend(fontsize=7, ncol=2)
     bottom.axhline(LOAD_GOAL, color="grey", linestyle="--", linewidth=0.8)
