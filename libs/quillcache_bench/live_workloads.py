@@ -66,16 +66,24 @@ class Sample:
     error: str = ""
 
 
-def _words(rng: random.Random, low: int, high: int) -> str:
+def _words(rng: random.Random, low: int, high: int, scale: float = 1.0) -> str:
+    low, high = max(1, int(low * scale)), max(1, int(high * scale))
     return " ".join(f"w{rng.randrange(5000)}" for _ in range(rng.randint(low, high)))
 
 
 def make_sessions(
-    name: str, n_requests: int, rate_rps: float, seed: int, nonce: str, think_scale: float = 1.0
+    name: str,
+    n_requests: int,
+    rate_rps: float,
+    seed: int,
+    nonce: str,
+    think_scale: float = 1.0,
+    size_scale: float = 1.0,
 ) -> list[Session]:
     """The sessions of workload `name` with `n_requests` turns in all, starting as a
     Poisson process whose request rate is `rate_rps` (sessions arrive at that rate
-    divided by the mean turns a session). Deterministic for (name, n, seed, nonce)."""
+    divided by the mean turns a session). Deterministic for (name, n, seed, nonce).
+    `size_scale` multiplies every text length (e.g. to fit a small model's context)."""
     if name not in WORKLOADS:
         raise InvalidArgument(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if n_requests <= 0 or rate_rps <= 0:
@@ -83,16 +91,18 @@ def make_sessions(
     rng = random.Random(f"{name}/{seed}")
     head = f"[{nonce}] "
     if name == "chat":
-        sessions = _chat(rng, n_requests, head, [f"tenant-{i}" for i in range(8)], think_scale)
+        sessions = _chat(
+            rng, n_requests, head, [f"tenant-{i}" for i in range(8)], think_scale, size_scale
+        )
     elif name == "docqa":
-        sessions = _docqa(rng, n_requests, head, [f"tenant-{i}" for i in range(4)])
+        sessions = _docqa(rng, n_requests, head, [f"tenant-{i}" for i in range(4)], size_scale)
     else:
         tenants = [f"tenant-{i}" for i in range(6)]
         chat_rng, doc_rng = random.Random(rng.random()), random.Random(rng.random())
-        sessions = _chat(chat_rng, max(1, n_requests // 2), head, tenants, think_scale)
+        sessions = _chat(chat_rng, max(1, n_requests // 2), head, tenants, think_scale, size_scale)
         chat_turns = sum(len(s.turns) for s in sessions)
         if n_requests > chat_turns:
-            sessions += _docqa(doc_rng, n_requests - chat_turns, head, tenants)
+            sessions += _docqa(doc_rng, n_requests - chat_turns, head, tenants, size_scale)
         rng.shuffle(sessions)
     turns = sum(len(s.turns) for s in sessions)
     session_rate = rate_rps * len(sessions) / turns
@@ -104,10 +114,12 @@ def make_sessions(
     return timed
 
 
-def _chat(rng, n, head, tenants, think_scale) -> list[Session]:
+def _chat(rng, n, head, tenants, think_scale, scale) -> list[Session]:
     weights = [1.0 / (i + 1) for i in range(len(tenants))]
     system = {
-        t: head + f"You are the assistant of {t}. " + _words(random.Random(f"sys/{t}"), 400, 1000)
+        t: head
+        + f"You are the assistant of {t}. "
+        + _words(random.Random(f"sys/{t}"), 400, 1000, scale)
         for t in tenants
     }
     out = []
@@ -116,16 +128,18 @@ def _chat(rng, n, head, tenants, think_scale) -> list[Session]:
         count = min(n, rng.randint(2, 5))
         n -= count
         turns = tuple(
-            Turn(_words(rng, 20, 80), rng.randint(32, 96), rng.uniform(0.1, 0.5) * think_scale)
+            Turn(
+                _words(rng, 20, 80, scale), rng.randint(32, 96), rng.uniform(0.1, 0.5) * think_scale
+            )
             for _ in range(count)
         )
         out.append(Session(tenant, f"conv-{len(out)}", 0.0, system[tenant], turns))
     return out
 
 
-def _docqa(rng, n, head, tenants) -> list[Session]:
+def _docqa(rng, n, head, tenants, scale) -> list[Session]:
     instruction = {
-        t: head + f"You answer {t}'s questions about documents. " + _words(rng, 50, 150)
+        t: head + f"You answer {t}'s questions about documents. " + _words(rng, 50, 150, scale)
         for t in tenants
     }
     open_docs: list[list] = []  # [tenant, doc id, text, questions left]
@@ -134,10 +148,12 @@ def _docqa(rng, n, head, tenants) -> list[Session]:
     for _ in range(n):
         while len(open_docs) < 6:
             tenant = rng.choice(tenants)
-            open_docs.append([tenant, f"doc-{made}", _words(rng, 1500, 3500), rng.randint(3, 8)])
+            open_docs.append(
+                [tenant, f"doc-{made}", _words(rng, 1500, 3500, scale), rng.randint(3, 8)]
+            )
             made += 1
         doc = rng.choice(open_docs)
-        question = f"Document:\n{doc[2]}\n\nQuestion: {_words(rng, 8, 30)}?"
+        question = f"Document:\n{doc[2]}\n\nQuestion: {_words(rng, 8, 30, scale)}?"
         out.append(
             Session(
                 doc[0],
