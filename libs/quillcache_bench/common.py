@@ -101,3 +101,34 @@ def write_results(name: str, payload: dict, out_dir: str | os.PathLike = "bench/
     path.write_text(text)
     (out / f"{name}-latest.json").write_text(text)
     return path
+
+
+async def read_chat_stream(content, sent_s: float, sample) -> tuple[str, dict | None]:
+    """Read an OpenAI chat-completion stream (server-sent events) to its end.
+
+    `sample.ttft_s` is set at the first chunk with content (seconds after `sent_s`),
+    `sample.error` at an error chunk, `sample.ok` at `[DONE]` unless an error came.
+    Returns the answer's text and the last `usage` seen (None without one). An
+    unparsable chunk raises ValueError."""
+    parts: list[str] = []
+    usage = None
+    async for raw in content:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            sample.ok = not sample.error
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            sample.error = str(chunk["error"])[:200]
+            continue
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content") or ""
+            if text:
+                if sample.ttft_s is None:
+                    sample.ttft_s = time.perf_counter() - sent_s
+                parts.append(text)
+        usage = chunk.get("usage") or usage
+    return "".join(parts), usage

@@ -25,7 +25,6 @@ TTFT is from sending the request to the first chunk with content.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import ssl
 import time
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from quillcache_bench.common import read_chat_stream
 from quillcache_core.errors import InvalidArgument
 
 WORKLOADS = ("chat", "docqa", "mix")
@@ -224,7 +224,7 @@ async def _one(http, target: Target, session: Session, messages, max_tokens) -> 
         "max_tokens": max_tokens,
         "stream": True,
     }
-    parts: list[str] = []
+    answer = ""
     sample.sent_s = time.perf_counter()
     try:
         async with http.post(
@@ -233,28 +233,11 @@ async def _one(http, target: Target, session: Session, messages, max_tokens) -> 
             if reply.status != 200:
                 sample.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
             else:
-                async for raw in reply.content:
-                    line = raw.decode("utf-8", "replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        sample.ok = not sample.error
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        sample.error = str(chunk["error"])[:200]
-                        continue
-                    for choice in chunk.get("choices") or []:
-                        text = (choice.get("delta") or {}).get("content") or ""
-                        if text:
-                            if sample.ttft_s is None:
-                                sample.ttft_s = time.perf_counter() - sample.sent_s
-                            parts.append(text)
+                answer, _ = await read_chat_stream(reply.content, sample.sent_s, sample)
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         sample.error = repr(exc)[:200]
     sample.done_s = time.perf_counter()
     if sample.ok and sample.ttft_s is None:
         sample.ok = False
         sample.error = "stream ended without content"
-    return sample, "".join(parts)
+    return sample, answer

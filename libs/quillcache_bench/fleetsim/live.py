@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from quillcache_bench.common import Progress, render_table, write_results
+from quillcache_bench.common import Progress, read_chat_stream, render_table, write_results
 from quillcache_bench.secure import operator_tls, tenant_context
 from quillcache_core.errors import InvalidArgument
 
@@ -177,7 +177,7 @@ async def _one(session, gateway, key, tenant, model, messages, max_tokens):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    parts: list[str] = []
+    answer = ""
     sent = time.perf_counter()
     try:
         async with session.post(
@@ -194,34 +194,16 @@ async def _one(session, gateway, key, tenant, model, messages, max_tokens):
             if reply.status != 200:
                 sample.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
                 return sample, ""
-            async for raw in reply.content:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    sample.ok = not sample.error
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    sample.error = str(chunk["error"])[:200]
-                    continue
-                for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") or ""
-                    if text:
-                        if sample.ttft_s is None:
-                            sample.ttft_s = time.perf_counter() - sent
-                        parts.append(text)
-                usage = chunk.get("usage")
-                if usage:
-                    sample.completion_tokens = int(usage.get("completion_tokens", 0))
+            answer, usage = await read_chat_stream(reply.content, sent, sample)
+            if usage:
+                sample.completion_tokens = int(usage.get("completion_tokens", 0))
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         sample.error = repr(exc)[:200]
     sample.total_s = time.perf_counter() - sent
     if sample.ok and sample.ttft_s is None:
         sample.ok = False
         sample.error = "stream ended without content"
-    return sample, "".join(parts)
+    return sample, answer
 
 
 def _report(args, endpoints: dict, policy: str, run: _Run, duration: float) -> None:
