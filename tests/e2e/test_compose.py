@@ -182,17 +182,20 @@ def test_a_restarted_store_container_has_its_blocks(stack):
     client = stack.client()
     for n in range(24):  # evict from the 64-block engine caches into the stores
         client.completions.create(model=MODEL, prompt=f"filler {n} " * 150, max_tokens=1)
-    service = "store-0"
-    before = wait_until(
-        lambda: (s := stack.store_stats(service))["ssd_blocks"] > 0 and s,
-        timeout_s=30,
-        what="blocks on store-0's SSD",
-    )
+    # The planner decides which engine (and so which store) each filler evicts into:
+    # the store whose SSD got blocks is the one to restart.
+
+    def spilled() -> str | None:
+        ssd = {name: stack.store_stats(name)["ssd_blocks"] for name in ("store-0", "store-1")}
+        fullest = max(ssd, key=ssd.get)
+        return fullest if ssd[fullest] > 0 else None
+
+    service = wait_until(spilled, timeout_s=30, what="blocks on a store's SSD")
     time.sleep(1.0)  # let offloads in flight land
     before = stack.store_stats(service)
     stack.podman("restart", "-t", "10", stack.container(service), timeout=60)
     after = wait_until(
-        lambda: stack.store_stats(service), timeout_s=60, interval_s=0.5, what="store-0 back"
+        lambda: stack.store_stats(service), timeout_s=60, interval_s=0.5, what=f"{service} back"
     )
     # Everything on its SSD before is there after (offloads still arriving add more).
     assert after["ssd_blocks"] >= before["ssd_blocks"] > 0, (before, after)
