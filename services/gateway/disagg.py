@@ -34,6 +34,7 @@ from quillcache.v1 import common_pb2, conductor_pb2, transfer_pb2, transfer_pb2_
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import open_registry
 from quillcache_core.security.tls import Tls, grpc_channel
+from quillcache_core.wire.keys import key_to_proto
 from quillcache_gateway.errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class Disaggregator:
         request = transfer_pb2.TransferRequest(
             source_node=source,
             destination_node=destination,
-            keys=[_key_proto(k) for k in keys],
+            keys=[key_to_proto(k) for k in keys],
         )
         last = None
         async for progress in stub.Prefetch(request, timeout=self.transfer_timeout_s):
@@ -337,18 +338,3 @@ def _short(exc: BaseException) -> str:
         text = str(exc) or repr(exc)
     text = " ".join(text.split())
     return text.encode("ascii", "replace").decode()[:120]
-
-
-def _key_proto(key) -> common_pb2.BlockKey:
-    msg = common_pb2.BlockKey(
-        model_id=key.model_id,
-        tokenizer_id=key.tokenizer_id,
-        tenant_id=key.tenant_id,
-        prefix_hash=key.prefix_hash,
-        block_hash=key.block_hash,
-        block_index=key.block_index,
-        token_count=key.token_count,
-    )
-    if key.adapter_id is not None:
-        msg.adapter_id = key.adapter_id
-    return msg

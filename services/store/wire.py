@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from quillcache.v1 import common_pb2, store_pb2
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import KvBlockKey
+from quillcache_core.wire.keys import key_to_proto  # noqa: F401 - store callers use wire.key_to_proto
 
 DATA_FIELD = 15
 DATA_TAG = bytes([(DATA_FIELD << 3) | 2])  # b"\x7a"
@@ -178,21 +179,6 @@ def decode_get_chunk(buf: bytes) -> GetFrame:
 
 
 # --- keys and tiers -------------------------------------------------------------------------
-
-
-def key_to_proto(key: KvBlockKey) -> common_pb2.BlockKey:
-    msg = common_pb2.BlockKey(
-        model_id=key.model_id,
-        tokenizer_id=key.tokenizer_id,
-        tenant_id=key.tenant_id,
-        prefix_hash=key.prefix_hash,
-        block_hash=key.block_hash,
-        block_index=key.block_index,
-        token_count=key.token_count,
-    )
-    if key.adapter_id is not None:
-        msg.adapter_id = key.adapter_id
-    return msg
 
 
 def key_from_proto(msg: common_pb2.BlockKey, what: str = "key") -> KvBlockKey:
