@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import ssl
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from quillcache_core.launch.cluster import terminate_group
 from quillcache_core.launch.vllm_engine import free_port
 
 # name in the results -> (binary, policy)
@@ -123,16 +123,7 @@ class RouterProcess:
         return len(healthy) >= workers
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
+        terminate_group(self.proc, grace_s)
 
     def tail(self, n: int = 20) -> str:
         try:

@@ -539,17 +539,21 @@ def _spawn(child: Child) -> None:
 
 
 def _terminate(child: Child, grace_s: float) -> None:
-    """SIGTERM the child's process group, SIGKILL it if still there after `grace_s`."""
-    if child.proc is None or child.proc.poll() is not None:
+    terminate_group(child.proc, grace_s)
+
+
+def terminate_group(proc: subprocess.Popen | None, grace_s: float) -> None:
+    """SIGTERM the process group `proc` leads, SIGKILL it if still there after `grace_s`."""
+    if proc is None or proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(child.proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
-        child.proc.wait(timeout=grace_s)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.proc.pid, signal.SIGKILL)
-        child.proc.wait(timeout=5)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
 
 
 def build_parser() -> argparse.ArgumentParser:
