@@ -218,6 +218,20 @@ def test_remove_tier_takes_one_tier_of_every_identity(index: IndexBackend) -> No
     assert index.metrics().resident_bytes == 8
 
 
+def test_writes_in_a_batch_all_land(index: IndexBackend) -> None:
+    mine, theirs = key(tenant="t0"), key(tenant="t1")
+    with index.write_batch():
+        index.put_many([rec(mine, "w0", CacheTier.HBM, 1), rec(theirs, "w0", CacheTier.HBM, 2)])
+        assert index.remove_tier("w0", "h1", CacheTier.HBM) == 2  # sees the batch's puts
+        index.put(rec(mine, "w1", CacheTier.CPU_DRAM, 4))
+        index.set_worker_epoch("w1", 5.0)
+    index.flush()
+    assert index.locate_hash("h1") == [rec(mine, "w1", CacheTier.CPU_DRAM, 4)]
+    m = index.metrics()
+    assert (m.resident_blocks, m.resident_bytes) == (1, 4)
+    assert index.worker_epochs() == {"w1": 5.0}
+
+
 def test_clear_worker_returns_count_and_leaves_other_workers(index: IndexBackend) -> None:
     parent_scope = IdentityScope("m0", "tok", None, "t0")
     index.put_many(

@@ -171,3 +171,46 @@ def test_a_write_lmdb_refuses_is_counted_and_the_writes_after_it_still_land(tmp_
         assert reopened.worker_epochs() == {"e1": 3.0}
     finally:
         reopened.close()
+
+
+def test_a_flush_is_one_lmdb_transaction_and_a_failed_batch_loses_nothing_else(tmp_path):
+    durable = LmdbIndex(tmp_path / "idx")
+    mirrored = MirroredIndex(durable)
+    mirrored.put_many([CacheResidency(k, "e0", CacheTier.HBM, 1) for k in KEYS[:4]])
+    for k in KEYS[:3]:  # puts, evictions and an epoch interleaved, as the conductor writes
+        mirrored.remove_block(k.scope(), "e0", k.block_hash)
+        mirrored.put(CacheResidency(k, "e1", CacheTier.HBM, 2))
+    mirrored.set_worker_epoch("e1", 7.0)
+    commits = []
+    durable._env = _CountingEnv(durable._env, commits)
+    mirrored.flush()
+    assert commits == [True]  # one write transaction for the whole queue
+    assert sorted((r.key, r.worker_id) for r in durable.snapshot()) == sorted(
+        [(KEYS[3], "e0")] + [(k, "e1") for k in KEYS[:3]]
+    )
+    # A write lmdb refuses aborts the batch; applied one by one, only that write is lost.
+    bad = CacheResidency(KEYS[4], "e2", CacheTier.HBM, 1, last_access_ms=2**70)
+    mirrored.remove_block(KEYS[3].scope(), "e0", KEYS[3].block_hash)
+    mirrored.put(bad)
+    mirrored.put(CacheResidency(KEYS[5], "e2", CacheTier.HBM, 1))
+    mirrored.flush()
+    assert mirrored.failed_writes == 1
+    assert sorted((r.key, r.worker_id) for r in durable.snapshot()) == sorted(
+        [(KEYS[5], "e2")] + [(k, "e1") for k in KEYS[:3]]
+    )
+    mirrored.close()
+
+
+class _CountingEnv:
+    """An lmdb Environment that records each write transaction it begins."""
+
+    def __init__(self, env, commits: list) -> None:
+        self._env, self._commits = env, commits
+
+    def begin(self, write: bool = False, **kwargs):
+        if write:
+            self._commits.append(True)
+        return self._env.begin(write=write, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from itertools import repeat
 from typing import NamedTuple
 
@@ -127,6 +128,12 @@ class IndexBackend(abc.ABC):
 
     @abc.abstractmethod
     def metrics(self) -> IndexMetrics: ...
+
+    @contextmanager
+    def write_batch(self) -> Iterator[None]:
+        """The writes made inside reach the backend as one write where it can make them
+        one (LMDB: one transaction, all or none); by default each applies at once."""
+        yield
 
     def flush(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Make every change so far durable; a no-op for in-memory backends."""

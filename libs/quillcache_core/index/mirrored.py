@@ -161,10 +161,18 @@ class MirroredIndex(IndexBackend):
         with self._drain_lock:
             with self._pending_lock:
                 ops, self._pending = self._pending, []
+            ops = [(op, (_expand(args[0]),) if op == "put_many" else args) for op, args in ops]
             durable = self._durable
+            try:  # the whole queue as one write (one LMDB transaction: all or none)
+                with durable.write_batch():
+                    for op, args in ops:
+                        getattr(durable, op)(*args)
+                return len(ops)
+            except Exception:  # a write the backend refused: again one at a time
+                logger.warning(
+                    "a batch of %d index writes failed; applying them one by one", len(ops)
+                )
             for op, args in ops:
-                if op == "put_many":
-                    args = (_expand(args[0]),)
                 try:
                     getattr(durable, op)(*args)
                 except Exception:  # one write that cannot be stored must not lose the rest
