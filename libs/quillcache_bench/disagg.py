@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,21 @@ from quillcache_core.launch.cluster import LocalCluster
 GOAL_ITL_P99 = 0.7
 GOAL_TTFT_MEAN = 1.1
 MODEL = "sim-model"
+
+
+def inter_token_s(arrivals: Sequence[float]) -> list[float]:
+    """The gaps between a stream's successive content chunks (seconds, in order)."""
+    return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+
+
+def latency_ms(samples_s: Sequence[float]) -> dict[str, float]:
+    """Mean, p50 and p99 in milliseconds of latencies in seconds (NaN when none)."""
+    ms = np.asarray(samples_s, dtype=np.float64) * 1000 if len(samples_s) else np.array([np.nan])
+    return {
+        "mean": float(ms.mean()),
+        "p50": float(np.percentile(ms, 50)),
+        "p99": float(np.percentile(ms, 99)),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +147,7 @@ async def one_request(session, endpoints, context, body: dict, mode: str) -> dic
         "disagg": answer_headers.get("x-quillcache-disagg", ""),
         "engine": answer_headers.get("x-quillcache-engine", ""),
         "ttft_s": arrivals[0] - sent if arrivals else None,
-        "itl_s": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
+        "itl_s": inter_token_s(arrivals),
         "tokens": len(arrivals),
         "prefill_ms": float(answer_headers.get("x-quillcache-prefill-ms", 0) or 0),
         "transfer_ms": float(answer_headers.get("x-quillcache-transfer-ms", 0) or 0),
@@ -170,8 +186,6 @@ async def drive(endpoints, args, mode: str, seed0: int) -> list[dict]:
 
 def summarize(results: list[dict]) -> dict:
     ok = [r for r in results if r["status"] == 200 and r["ttft_s"] is not None]
-    ttft = np.array([r["ttft_s"] for r in ok]) * 1000
-    itl = np.array([g for r in ok for g in r["itl_s"]]) * 1000
     kinds: dict[str, int] = {}
     for r in results:
         kind = r["disagg"].split(";", 2)
@@ -180,16 +194,8 @@ def summarize(results: list[dict]) -> dict:
     return {
         "requests": len(results),
         "ok": len(ok),
-        "ttft_ms": {
-            "mean": float(ttft.mean()),
-            "p50": float(np.percentile(ttft, 50)),
-            "p99": float(np.percentile(ttft, 99)),
-        },
-        "itl_ms": {
-            "mean": float(itl.mean()),
-            "p50": float(np.percentile(itl, 50)),
-            "p99": float(np.percentile(itl, 99)),
-        },
+        "ttft_ms": latency_ms([r["ttft_s"] for r in ok]),
+        "itl_ms": latency_ms([g for r in ok for g in r["itl_s"]]),
         "tokens": int(sum(r["tokens"] for r in ok)),
         "plans": kinds,
         "split_prefill_ms_mean": _mean([r["prefill_ms"] for r in ok if r["prefill_ms"]]),

@@ -4,10 +4,13 @@ vllm-router, live, in front of the same engines.
 One set of engines runs for the whole benchmark: the local cluster as `quillcache up`
 starts it (etcd, conductor, two store nodes, transfer, gateway; mutual TLS, the engine
 credential), with 4 sim engines (or, with `--engine vllm`, real vLLM servers on CPU).
-Each system in turn gets the same seeded workloads (chat, docqa, mix; see
+Each system in turn gets the same seeded workloads (chat, docqa, mix, decode; see
 `live_workloads`) at a light and a heavy request rate:
 
-- `quillcache`: the cluster's gateway (HTTPS, tenants' API keys), as deployed;
+- `quillcache`: the cluster's gateway (HTTPS, tenants' API keys), as deployed (every
+  engine `both`: colocated);
+- `quillcache-split` (decode workload only): the same gateway and engines, the engines
+  given prefill/decode roles in place (`--split-roles`): disaggregated (issue 21);
 - `sglang-router-cache_aware`, `sglang-router-round_robin`: the real sglang-router
   0.3.2 with its defaults (cache threshold 0.3, balance thresholds 64 and 1.5, ...);
 - `vllm-router-cache_aware`, `vllm-router-consistent_hash`: the real vllm-router 0.1.17,
@@ -28,6 +31,13 @@ Per run: TTFT (send to first content chunk, streaming) mean/p50/p99, completed
 requests per second, errors, the engines' served requests max/mean and cached prompt
 token share (from the engines' own counters), and the control path's CPU seconds
 (gateway + conductor for QuillCache, the router process for the others; /proc).
+The decode workload (long outputs) runs with the sim engines switched in place to a
+decode-heavy shape for every system alike (`DECODE_SETTINGS`: `--decode-step-ms`
+decode steps, prefills stalling decodes as in vLLM without chunked prefill, 16 KiB KV
+blocks this machine can move), at `--decode-rps`; its figures add inter-token latency
+(mean, p50, p99 over every gap between a stream's content chunks) and the goal of
+issue 21 (split ITL p99 <= 0.7x colocated, mean TTFT <= 1.1x). With `--quick` it runs
+only QuillCache's two rows and sglang-router cache_aware.
 Writes bench/results/live-<UTC>.json, live-latest.json and live-latest.png.
 """
 
@@ -42,9 +52,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import mean
 
 from quillcache_bench.common import Progress, write_results
-from quillcache_bench.live_report import goals, goals_text, plot, summarise, table
+from quillcache_bench.live_report import (
+    SPLIT,
+    goals,
+    goals_text,
+    itl_table,
+    plot,
+    split_goals,
+    split_goals_text,
+    summarise,
+    table,
+)
 from quillcache_bench.live_systems import (
     ROUTERS,
     SYSTEMS,
@@ -54,12 +75,23 @@ from quillcache_bench.live_systems import (
     start_router,
     tree_cpu_s,
 )
-from quillcache_bench.live_workloads import WORKLOADS, Target, drive, make_sessions
+from quillcache_bench.live_workloads import (
+    ITL_WORKLOADS,
+    WORKLOADS,
+    Target,
+    drive,
+    make_sessions,
+)
 from quillcache_bench.secure import operator_context, tenant_context
 from quillcache_core.errors import InvalidArgument
 
 LOADS = ("light", "heavy")
 TENANTS = [f"tenant-{i}" for i in range(8)]
+QUICK_ITL_SYSTEMS = ("quillcache", SPLIT, "sglang-router-cache_aware")
+# The sim engines' shape for the decode workload, the same for every system (the step
+# is added from --decode-step-ms): 16 KiB KV blocks, which this machine's stores and
+# transfer keep up with when a split moves every prompt (1 MiB ones they do not).
+DECODE_SETTINGS = {"prefill_stalls_decodes": True, "kv_layers": 2, "kv_heads": 2, "head_dim": 64}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +134,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="multiplies every prompt's length (default 1, 0.12 with --engine vllm: the "
         "tiny model's context is 2,048 tokens)",
     )
+    p.add_argument(
+        "--decode-rps",
+        default="1,4",
+        help="the decode workload's light and heavy request rates (its streams are long)",
+    )
+    p.add_argument(
+        "--decode-duration-s",
+        type=float,
+        default=0.0,
+        help="seconds of arrivals per decode run (default: --duration-s's, at least 10: "
+        "a stream lasts about 5 s, and the stalls show once streams overlap steadily)",
+    )
+    p.add_argument(
+        "--decode-step-ms", type=float, default=15.0, help="decode step on the decode workload"
+    )
+    p.add_argument(
+        "--split-roles",
+        default="prefill,prefill,decode,decode",
+        help="engines' roles for quillcache-split, in engine order (engine i uses store "
+        "i %% 2: the default pairs each decode engine with a prefill engine on its store)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--data-dir", default="", help="cluster data and logs (default: a temp dir)")
@@ -123,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = _names(args.loads, LOADS, "loads")
     duration = args.duration_s or (4.0 if args.quick else 30.0)
     rates = {"light": args.light_rps, "heavy": args.heavy_rps}
+    decode_rates = dict(zip(LOADS, (float(r) for r in args.decode_rps.split(",")), strict=True))
     cells = [(w, load) for w in workloads for load in loads]
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -149,29 +203,40 @@ def main(argv: list[str] | None = None) -> int:
         )
         results: dict[tuple[str, str], dict] = {}
         details: dict[tuple[str, str], dict] = {}
-        total = len(systems) * len(cells)
+        total = sum(len(_cells(args, system, cells)) for system in systems)
         done = 0
+        baseline = [e.settings() for e in engines] if args.engine == "sim" else []
         for system in systems:
             router = None
-            if system != "quillcache":
+            if system not in ("quillcache", SPLIT):
                 router = start_router(system, [e.url for e in engines], data_dir / "logs")
             try:
                 target = quillcache if router is None else Target(router.url, None, {}, model)
                 pids = ours if router is None else [router.proc.pid]
-                for workload, load in cells:
+                for workload, load in _cells(args, system, cells):
                     done += 1
                     label = f"[{done}/{total}] {system} {workload}/{load}"
                     fallbacks0 = _fallbacks(endpoints)
+                    _shape(args, engines, baseline, system, workload)
+                    timed = workload in ITL_WORKLOADS
+                    rate = decode_rates[load] if timed else rates[load]
+                    seconds = (args.decode_duration_s or max(duration, 10.0)) if timed else duration
                     figures, detail = _run(
-                        args, system, workload, load, rates[load], duration, target, engines,
+                        args, system, workload, load, rate, seconds, target, engines,
                         pids, everything_ours, label,
                     )  # fmt: skip
                     if router is None:
                         detail["gateway_plan_fallbacks"] = _fallbacks(endpoints) - fallbacks0
                     results.setdefault((workload, load), {})[system] = figures
                     details.setdefault((workload, load), {})[system] = detail
+                    itl = (
+                        f", ITL mean {figures['itl_mean_ms']:.1f} p99 "
+                        f"{figures['itl_p99_ms']:.1f} ms"
+                        if "itl_p99_ms" in figures
+                        else ""
+                    )
                     print(
-                        f"{label}: TTFT mean {figures['ttft_mean_ms']:.1f} ms, "
+                        f"{label}: TTFT mean {figures['ttft_mean_ms']:.1f} ms{itl}, "
                         f"errors {figures['errors']}, load max/mean "
                         f"{figures['load_max_over_mean']:.2f}, cached "
                         f"{100 * figures['cached_token_share']:.0f}%, CPU "
@@ -188,13 +253,60 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if router is not None:
                     router.stop()
+        if baseline:
+            _restore(engines, baseline)
     runs = [
         {"workload": w, "load": load, "systems": results[(w, load)]}
         for w, load in cells
         if (w, load) in results
     ]
-    _report(args, runs, details, rates, duration, time.monotonic() - started)
+    _report(args, runs, details, rates, decode_rates, duration, time.monotonic() - started)
     return 0
+
+
+def _cells(args, system: str, cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The runs `system` takes part in: quillcache-split only the timed workloads (with
+    sim engines); with --quick those only QUICK_ITL_SYSTEMS."""
+    out = []
+    for workload, load in cells:
+        timed = workload in ITL_WORKLOADS
+        if system == SPLIT and (not timed or args.engine != "sim"):
+            continue
+        if timed and args.quick and system not in QUICK_ITL_SYSTEMS:
+            continue
+        out.append((workload, load))
+    return out
+
+
+def _shape(args, engines: list[Engine], baseline: list[dict], system: str, workload: str):
+    """Put the sim engines in the shape of this run: the decode workload's (and for
+    quillcache-split its roles), else the shape they started with."""
+    if not baseline:
+        return
+    if workload in ITL_WORKLOADS:
+        roles = [r.strip() for r in args.split_roles.split(",")] if system == SPLIT else []
+        step_us = int(args.decode_step_ms * 1000 / max(args.time_scale, 1e-9))
+        wanted = [
+            {**DECODE_SETTINGS, "decode_us_per_token": step_us,
+             "role": roles[i] if i < len(roles) else "both"}
+            for i in range(len(engines))
+        ]  # fmt: skip
+    else:
+        wanted = baseline
+    changed = False
+    for engine, want in zip(engines, wanted, strict=True):
+        now = engine.settings()
+        if any(now[k] != v for k, v in want.items()):
+            engine.settings(want)
+            changed = changed or now["role"] != want.get("role", now["role"])
+    if changed:
+        time.sleep(1.5)  # the conductors see the engines' new records (roles)
+
+
+def _restore(engines: list[Engine], baseline: list[dict]) -> None:
+    for engine, want in zip(engines, baseline, strict=True):
+        with contextlib.suppress(OSError, ValueError):
+            engine.settings(want)
 
 
 def _fallbacks(endpoints: dict) -> float:
@@ -272,7 +384,7 @@ def _run(
     )
     cpu1, all1 = tree_cpu_s(pids), tree_cpu_s(ours_all)
     served = [e.counters().minus(b) for e, b in zip(engines, before, strict=True)]
-    figures = summarise(samples, served, cpu1 - cpu0)
+    figures = summarise(samples, served, cpu1 - cpu0, itl=workload in ITL_WORKLOADS)
     detail = {
         "requests": len(samples),
         "served_per_engine": [c.requests for c in served],
@@ -280,18 +392,34 @@ def _run(
         "quillcache_processes_cpu_s": round(all1 - all0, 3),
         "first_errors": [s.error for s in samples if s.error][:3],
     }
+    split = [s for s in samples if s.ok and s.prefill_ms and s.ttft_s is not None]
+    if split:  # where a split's TTFT went: the prefill call, then the decode call
+        detail["split_requests"] = len(split)
+        detail["split_prefill_call_ms_mean"] = round(mean(s.prefill_ms for s in split), 1)
+        detail["split_after_prefill_ms_mean"] = round(
+            mean(s.ttft_s * 1000 - s.prefill_ms for s in split), 1
+        )
     return figures, detail
 
 
-def _report(args, runs, details, rates, duration, elapsed) -> None:
+def _report(args, runs, details, rates, decode_rates, duration, elapsed) -> None:
     print()
     print(table(runs))
     found = goals(runs)
     print()
     print(goals_text(found))
+    timed = itl_table(runs)
+    split_found = split_goals(runs)
+    if timed:
+        print()
+        print(timed)
+    if split_found:
+        print()
+        print(split_goals_text(split_found))
     payload = {
         "runs": runs,
         "goals": found,
+        "split_goals": split_found,
         "details": [
             {"workload": w, "load": load, "systems": systems}
             for (w, load), systems in details.items()
@@ -303,6 +431,11 @@ def _report(args, runs, details, rates, duration, elapsed) -> None:
             "conductors": args.conductors,
             "time_scale": args.time_scale,
             "rates_rps": rates,
+            "decode_rates_rps": decode_rates,
+            "decode_step_ms": args.decode_step_ms,
+            "decode_duration_s": args.decode_duration_s or max(duration, 10.0),
+            "decode_engine_settings": DECODE_SETTINGS,
+            "split_roles": args.split_roles.split(","),
             "duration_s": duration,
             "seed": args.seed,
             "routers": {name: list(spec) for name, spec in ROUTERS.items()},

@@ -1,6 +1,7 @@
 """`quillcache bench-live`'s figures: one system's run summarised, the table of ratios
-against QuillCache, the goals of issue 19, the JSON payload and the PNG. Pure but for
-`plot` (which writes the file)."""
+against QuillCache, the goals of issue 19 (and of issue 21 on the decode-heavy
+workload: QuillCache split against colocated), the JSON payload and the PNG. Pure but
+for `plot` (which writes the file)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from quillcache_bench.common import render_table
+from quillcache_bench.disagg import GOAL_ITL_P99, GOAL_TTFT_MEAN, latency_ms
 from quillcache_bench.live_systems import EngineCounters
 from quillcache_bench.live_workloads import Sample
 
 OURS = "quillcache"
+SPLIT = "quillcache-split"  # the same gateway, the engines given prefill/decode roles
 REFERENCE = "sglang-router-cache_aware"
 TTFT_GOAL = 0.8  # ours at most 0.8x the reference's mean TTFT
 LOAD_GOAL = 1.5  # engine load max/mean at most 1.5
@@ -27,21 +30,27 @@ FIELDS = (
     "control_cpu_s",
     "cached_token_share",
 )
+# Added for every system on a workload whose streams are timed (the decode workload).
+ITL_FIELDS = ("itl_mean_ms", "itl_p50_ms", "itl_p99_ms")
 
 
 def summarise(
-    samples: Sequence[Sample], served: Sequence[EngineCounters], control_cpu_s: float
+    samples: Sequence[Sample],
+    served: Sequence[EngineCounters],
+    control_cpu_s: float,
+    itl: bool = False,
 ) -> dict[str, float | int]:
     """The figures of one system on one cell: TTFT over the requests that streamed
     content; throughput over the span first send to last answer; load from the
     requests each engine served in the run (every engine counted, idle ones too);
-    cached share from the engines' prompt tokens not computed."""
+    cached share from the engines' prompt tokens not computed. With `itl`, also the
+    inter-token latency over every gap of every stream that completed (ITL_FIELDS)."""
     ok = [s for s in samples if s.ok and s.ttft_s is not None]
     ttft = np.array([s.ttft_s * 1000 for s in ok]) if ok else np.array([np.nan])
     span = (max(s.done_s for s in samples) - min(s.sent_s for s in samples)) if samples else 0
     per_engine = np.array([c.requests for c in served], dtype=float)
     prompt = sum(c.prompt_tokens for c in served)
-    return {
+    out: dict[str, float | int] = {
         "ttft_mean_ms": float(np.mean(ttft)),
         "ttft_p50_ms": float(np.percentile(ttft, 50)),
         "ttft_p99_ms": float(np.percentile(ttft, 99)),
@@ -53,6 +62,14 @@ def summarise(
         "control_cpu_s": round(control_cpu_s, 3),
         "cached_token_share": sum(c.cached_tokens for c in served) / prompt if prompt else 0.0,
     }
+    if itl:
+        gaps = latency_ms([g for s in ok for g in s.itl_s])
+        out["itl_mean_ms"], out["itl_p50_ms"], out["itl_p99_ms"] = (
+            gaps["mean"],
+            gaps["p50"],
+            gaps["p99"],
+        )
+    return out
 
 
 def table(runs: Sequence[Mapping]) -> str:
@@ -94,6 +111,83 @@ def table(runs: Sequence[Mapping]) -> str:
         ],
         rows,
     )
+
+
+def itl_table(runs: Sequence[Mapping]) -> str:
+    """The timed workloads' systems: TTFT and inter-token latency, mean and p99, each as
+    a multiple of colocated QuillCache's ('' when no run has them)."""
+    rows = []
+    for run in runs:
+        systems = run["systems"]
+        base = systems.get(OURS, {})
+        for name, f in systems.items():
+            if "itl_p99_ms" not in f:
+                continue
+
+            def vs(field: str, f=f, base=base) -> str:
+                ours = base.get(field)
+                return f"{f[field]:.1f} ({f[field] / ours:.2f}x)" if ours else f"{f[field]:.1f}"
+
+            rows.append(
+                (
+                    f"{run['workload']}/{run['load']}",
+                    name,
+                    vs("ttft_mean_ms"),
+                    vs("ttft_p99_ms"),
+                    vs("itl_mean_ms"),
+                    vs("itl_p99_ms"),
+                    f["throughput_rps"],
+                    f["errors"],
+                )
+            )
+    if not rows:
+        return ""
+    return render_table(
+        ["workload/load", "system", "TTFT mean ms", "TTFT p99 ms", "ITL mean ms",
+         "ITL p99 ms", "req/s", "errors"],
+        rows,
+    )  # fmt: skip
+
+
+def split_goals(runs: Sequence[Mapping]) -> list[dict]:
+    """Issue 21's goal per timed run with both QuillCache rows: split inter-token p99 at
+    most 0.7x colocated's, with mean TTFT at most 1.1x (judged at heavy load)."""
+    out = []
+    for run in runs:
+        systems = run["systems"]
+        if OURS not in systems or SPLIT not in systems or "itl_p99_ms" not in systems[OURS]:
+            continue
+        base, split = systems[OURS], systems[SPLIT]
+        itl = split["itl_p99_ms"] / base["itl_p99_ms"]
+        ttft = split["ttft_mean_ms"] / base["ttft_mean_ms"]
+        out.append(
+            {
+                "workload": run["workload"],
+                "load": run["load"],
+                "itl_p99_ratio": itl,
+                "itl_met": itl <= GOAL_ITL_P99,
+                "ttft_mean_ratio": ttft,
+                "ttft_met": ttft <= GOAL_TTFT_MEAN,
+                "errors": split["errors"],
+            }
+        )
+    return out
+
+
+def split_goals_text(found: Sequence[Mapping]) -> str:
+    if not found:
+        return ""
+    lines = [
+        f"Goal (issue 21): {SPLIT} inter-token p99 <= {GOAL_ITL_P99}x {OURS}'s (colocated) "
+        f"with mean TTFT <= {GOAL_TTFT_MEAN}x, at heavy load"
+    ]
+    for g in found:
+        lines.append(
+            f"  {g['workload']}/{g['load']}: ITL p99 {g['itl_p99_ratio']:.2f}x "
+            f"({'met' if g['itl_met'] else 'NOT met'}), TTFT mean {g['ttft_mean_ratio']:.2f}x "
+            f"({'met' if g['ttft_met'] else 'NOT met'})"
+        )
+    return "\n".join(lines)
 
 
 def goals(runs: Sequence[Mapping]) -> list[dict]:
@@ -150,19 +244,30 @@ def plot(runs: Sequence[Mapping], path: Path) -> Path:
     labels = [f"{r['workload']}\n{r['load']}" for r in runs]
     x = np.arange(len(runs))
     width = 0.8 / max(1, len(names))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(runs)), 7), sharex=True)
+    timed = any("itl_p99_ms" in f for r in runs for f in r["systems"].values())
+    panels = 3 if timed else 2
+    fig, axes = plt.subplots(
+        panels, 1, figsize=(max(8, 1.6 * len(runs)), 3.5 * panels), sharex=True
+    )
+    top, bottom = axes[0], axes[1]
     for i, name in enumerate(names):
+        at = x + i * width - 0.4 + width / 2
         ttft = [r["systems"].get(name, {}).get("ttft_mean_ms", np.nan) for r in runs]
         load = [r["systems"].get(name, {}).get("load_max_over_mean", np.nan) for r in runs]
-        top.bar(x + i * width - 0.4 + width / 2, ttft, width, label=name)
-        bottom.plot(x + i * width - 0.4 + width / 2, load, "o", label=name)
+        top.bar(at, ttft, width, label=name)
+        bottom.plot(at, load, "o", label=name)
+        if timed:
+            itl = [r["systems"].get(name, {}).get("itl_p99_ms", np.nan) for r in runs]
+            axes[2].bar(at, itl, width, label=name)
+    if timed:
+        axes[2].set_ylabel("inter-token p99 (ms)\n(timed workloads)")
     top.set_yscale("log")  # light-load tens of ms beside heavy-load seconds
     top.set_ylabel("TTFT mean (ms, log scale)")
     top.set_title("quillcache bench-live: the same engines behind each system")
     top.legend(fontsize=7, ncol=2)
     bottom.axhline(LOAD_GOAL, color="grey", linestyle="--", linewidth=0.8)
     bottom.set_ylabel("engine load max/mean")
-    bottom.set_xticks(x, labels)
+    axes[-1].set_xticks(x, labels)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -36,7 +36,9 @@ ROUTERS: dict[str, tuple[str, str]] = {
     "vllm-router-consistent_hash": ("vllm-router", "consistent_hash"),
     "round-robin": ("vllm-router", "round_robin"),
 }
-SYSTEMS = ("quillcache", *ROUTERS)
+# `quillcache-split`: the same gateway, with the engines given prefill/decode roles in
+# place (POST /sim/settings) for its runs; only on the timed (decode-heavy) workloads.
+SYSTEMS = ("quillcache", "quillcache-split", *ROUTERS)
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -228,6 +230,19 @@ class Engine:
             metric_sum(text, "vllm:prompt_tokens_total"),
             metric_sum(text, "vllm:prefix_cache_hits_total"),
         )
+
+    def settings(self, changes: dict | None = None) -> dict:
+        """A sim engine's settable settings (GET /sim/settings), after applying
+        `changes` (POST) if any."""
+        data = None if changes is None else json.dumps(changes).encode()
+        request = urllib.request.Request(
+            f"{self.url}/sim/settings",
+            data=data,
+            method="GET" if data is None else "POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10.0) as reply:
+            return json.loads(reply.read())
 
     def reset_cache(self) -> bool:
         """Empty the engine's prefix cache (each system starts cold); False if refused

@@ -10,7 +10,12 @@ requested request rate) and the turns each session sends:
 - docqa: 4 tenants; long documents (1,500-3,500 words) that several users ask about: a
   pool of 6 open documents, 3-8 questions each, each question a request of its own
   (instruction, document, question);
-- mix: the two at once over 6 tenants, half the sessions each.
+- mix: the two at once over 6 tenants, half the sessions each;
+- decode: decode-heavy, for prefill/decode disaggregation (issue 21): 4 tenants, each
+  request one turn of its own (a tenant's short instruction, then a distinct task of
+  500-900 words, about 1,000-1,800 tokens) asking for 200-400 output tokens with
+  `ignore_eos` (the sim engine always writes `max_tokens`). Its samples keep the gaps
+  between the stream's content chunks (inter-token latency).
 
 The builtin tokenizer of the sim engine counts a word and the space after it as two
 tokens. The text is made of words `w<n>`; a run's `nonce` opens every prompt, so two
@@ -25,6 +30,8 @@ TTFT is from sending the request to the first chunk with content.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import ssl
 import time
@@ -34,9 +41,12 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from quillcache_bench.common import read_chat_stream
+from quillcache_bench.disagg import inter_token_s
 from quillcache_core.errors import InvalidArgument
 
-WORKLOADS = ("chat", "docqa", "mix")
+WORKLOADS = ("chat", "docqa", "mix", "decode")
+# Workloads whose samples carry inter-token gaps (their streams are long).
+ITL_WORKLOADS = ("decode",)
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -45,6 +55,7 @@ class Turn:
     user: str  # the user's message
     max_tokens: int
     think_s: float  # pause before this turn (after the previous answer)
+    ignore_eos: bool = False  # write max_tokens whatever the model says (decode workload)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,8 @@ class Sample:
     done_s: float = 0.0
     ok: bool = False
     error: str = ""
+    itl_s: list[float] = field(default_factory=list)  # inter-token gaps (decode workload)
+    prefill_ms: float = 0.0  # a split's prefill call, as QuillCache's gateway timed it
 
 
 def _words(rng: random.Random, low: int, high: int, scale: float = 1.0) -> str:
@@ -96,6 +109,8 @@ def make_sessions(
         )
     elif name == "docqa":
         sessions = _docqa(rng, n_requests, head, [f"tenant-{i}" for i in range(4)], size_scale)
+    elif name == "decode":
+        sessions = _decode(rng, n_requests, head, [f"tenant-{i}" for i in range(4)], size_scale)
     else:
         tenants = [f"tenant-{i}" for i in range(6)]
         chat_rng, doc_rng = random.Random(rng.random()), random.Random(rng.random())
@@ -169,6 +184,19 @@ def _docqa(rng, n, head, tenants, scale) -> list[Session]:
     return out
 
 
+def _decode(rng, n, head, tenants, scale) -> list[Session]:
+    instruction = {
+        t: head + f"You write long answers for {t}. " + _words(rng, 30, 60, scale) for t in tenants
+    }
+    out = []
+    for i in range(n):
+        tenant = rng.choice(tenants)
+        task = f"Task {i}: {_words(rng, 500, 900, scale)}\nWrite at length."
+        turn = Turn(task, rng.randint(200, 400), 0.0, ignore_eos=True)
+        out.append(Session(tenant, f"task-{i}", 0.0, instruction[tenant], (turn,)))
+    return out
+
+
 @dataclass
 class Target:
     """Where a system takes requests: its base URL, how to verify it, each tenant's key."""
@@ -205,7 +233,7 @@ async def drive(
                 if time.perf_counter() - began > cutoff_s:
                     return
                 messages.append({"role": "user", "content": turn.user})
-                sample, answer = await _one(http, target, session, messages, turn.max_tokens)
+                sample, answer = await _one(http, target, session, messages, turn)
                 samples.append(sample)
                 on_done()
                 messages.append({"role": "assistant", "content": answer or "ok"})
@@ -214,26 +242,33 @@ async def drive(
     return samples
 
 
-async def _one(http, target: Target, session: Session, messages, max_tokens) -> tuple[Sample, str]:
+async def _one(http, target: Target, session: Session, messages, turn: Turn) -> tuple[Sample, str]:
     sample = Sample(session.tenant)
     key = target.api_keys.get(session.tenant, "none")
     headers = {"Authorization": f"Bearer {key}", "X-Session-ID": session.session_id}
     body = {
         "model": target.model,
         "messages": messages,
-        "max_tokens": max_tokens,
+        "max_tokens": turn.max_tokens,
         "stream": True,
     }
+    if turn.ignore_eos:
+        body["ignore_eos"] = True
     answer = ""
     sample.sent_s = time.perf_counter()
     try:
         async with http.post(
             f"{target.url}/v1/chat/completions", json=body, headers=headers
         ) as reply:
+            with contextlib.suppress(ValueError):
+                sample.prefill_ms = float(reply.headers.get("x-quillcache-prefill-ms", 0) or 0)
             if reply.status != 200:
                 sample.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
             else:
-                answer, _ = await read_chat_stream(reply.content, sample.sent_s, sample)
+                lines = _Timed(reply.content) if turn.ignore_eos else reply.content
+                answer, _ = await read_chat_stream(lines, sample.sent_s, sample)
+                if turn.ignore_eos:
+                    sample.itl_s = inter_token_s(lines.content_arrivals())
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         sample.error = repr(exc)[:200]
     sample.done_s = time.perf_counter()
@@ -241,3 +276,34 @@ async def _one(http, target: Target, session: Session, messages, max_tokens) -> 
         sample.ok = False
         sample.error = "stream ended without content"
     return sample, answer
+
+
+class _Timed:
+    """A stream's lines as `read_chat_stream` reads them, each one's arrival noted: the
+    times of the chunks with content (for the gaps between tokens)."""
+
+    def __init__(self, content) -> None:
+        self._lines = content.__aiter__()
+        self._seen: list[tuple[float, bytes]] = []
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> bytes:
+        raw = await self._lines.__anext__()
+        if raw.startswith(b"data:"):
+            self._seen.append((time.perf_counter(), raw))
+        return raw
+
+    def content_arrivals(self) -> list[float]:
+        out = []
+        for at, raw in self._seen:
+            try:
+                chunk = json.loads(raw[5:])
+            except ValueError:
+                continue  # [DONE]
+            if not isinstance(chunk, dict):
+                continue
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                out.append(at)
+        return out

@@ -161,11 +161,8 @@ class SimEngine:
         try:
             candidates = self._fetch_candidates(plan, keys, hits, usable)
             if candidates:
-                results = await asyncio.gather(
-                    *(
-                        self.mover.fetch(keys[i], action.source_node, action.source_address)
-                        for i, action in candidates
-                    )
+                results = await self.mover.fetch_many(
+                    [(keys[i], a.source_node, a.source_address) for i, a in candidates]
                 )
                 fetched = 0
                 while fetched < len(results) and results[fetched]:
@@ -220,8 +217,23 @@ class SimEngine:
         """Queue for and run the prefill; cache the blocks. Returns the end time."""
         bs = self.block_size
         compute = prepared.compute_tokens(bs)
-        end = await self.scheduler.prefill(compute)
+        saving = None
+        if prepared.write_through:
+            # A decode engine loads these next: they are in the store before we answer.
+            # The save runs alongside the prefill, as vLLM's KV connector saves each
+            # layer's KV while the next layers compute (save_kv_layer), the answer
+            # waiting for the last (wait_for_save).
+            started = asyncio.Event()
+            saving = asyncio.ensure_future(self._write_through(prepared, started))
+        try:
+            end = await self.scheduler.prefill(compute, started if saving else None)
+        except BaseException:
+            if saving is not None:
+                saving.cancel()
+            raise
         self._account(prepared, compute)
+        if saving is not None:
+            self.stats.written_through_blocks += await saving
         if prepared.generation != self.cache.generation:
             return end  # the cache was reset meanwhile: our pins are void
         tokens, hashes, salt = prepared.tokens, prepared.hashes, prepared.cache_salt
@@ -251,12 +263,14 @@ class SimEngine:
         if events:
             self.publisher.publish(events)
             self.stats.event_batches += 1
-        if prepared.write_through:
-            # A decode engine loads these next: they are in the store before we answer.
-            usable = (len(tokens) - 1) // bs
-            stored = await self.mover.store_now(prepared.keys[:usable])
-            self.stats.written_through_blocks += stored
         return end
+
+    async def _write_through(self, prepared: Prepared, started: asyncio.Event) -> int:
+        """Store the prompt's full blocks (but for its last token's) once the prefill
+        begins; returns how many are stored."""
+        await started.wait()
+        usable = (len(prepared.tokens) - 1) // self.block_size
+        return await self.mover.store_now(prepared.keys[:usable])
 
     def _account(self, prepared: Prepared, computed: int) -> None:
         s = self.stats

@@ -11,6 +11,13 @@ byte for byte against the deterministic content. Any failure (absent, unreachabl
 wrong bytes, timeout) is reported as False: the engine recomputes that block instead.
 
 Clients are created on first use, one per address, and live until `close`.
+
+Batches: with a `batches` factory and the own store node's block-data address (from
+`data_address`, resolved through the registry), a prefill's write-through (`store_now`)
+and a request's FETCH of blocks on the own node (`fetch_many`) are each one exchange
+with the store's data port for all the request's blocks (`datapath.batch`), instead of
+one gRPC call per block. Blocks a batch does not return (e.g. held only by a peer
+node) are fetched one by one as before.
 """
 
 from __future__ import annotations
@@ -18,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from quillcache_core.errors import QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_simengine.kvbytes import kv_payload
+from quillcache_simengine.kvbytes import payload_bytes as payload_size
 
 __all__ = ["BlockMover", "MoverStats", "StoreLike"]
 
@@ -74,6 +82,8 @@ class MoverStats:
     fetch_mismatches: int = 0  # bytes arrived but differ from the block's content
     fetched_bytes: int = 0
     stored_through: int = 0  # prompt blocks stored at once for a decode engine
+    batched_puts: int = 0  # of those, blocks put in one data-port batch per request
+    batched_fetches: int = 0  # fetched blocks read in one data-port batch per request
 
 
 class BlockMover:
@@ -87,6 +97,8 @@ class BlockMover:
         queue_blocks: int,
         concurrency: int,
         store_factory: StoreFactory = default_store_factory,
+        batches: Callable[[], object] | None = None,
+        data_address: Callable[[], Awaitable[str]] | None = None,
     ) -> None:
         self.own_address = own_address
         self.own_node_id = own_node_id
@@ -101,6 +113,11 @@ class BlockMover:
         self._queue: asyncio.Queue[KvBlockKey] = asyncio.Queue(maxsize=queue_blocks)
         self._concurrency = concurrency
         self._workers: list[asyncio.Task[None]] = []
+        self._batch_factory = batches
+        self._batches = None  # a datapath.batch.BlockBatches, made on first use
+        self._resolve_data_address = data_address
+        self._data_address = ""
+        self._data_address_tried = -1e9
 
     @property
     def enabled(self) -> bool:
@@ -179,11 +196,36 @@ class BlockMover:
         self.stats.offloaded_bytes += len(payload)
         log.debug("offloaded block %s (%d bytes) to %s", key.block_hash, len(payload), tier)
 
+    async def data_address(self) -> str:
+        """The own store node's block-data address ('' when batches are off or it is
+        not known; looked up again at most every 5 s)."""
+        if self._data_address or self._batch_factory is None or not self.enabled:
+            return self._data_address
+        if self._resolve_data_address is None:
+            return ""
+        now = asyncio.get_running_loop().time()
+        if now - self._data_address_tried < 5.0:
+            return ""
+        self._data_address_tried = now
+        try:
+            self._data_address = await self._resolve_data_address()
+        except (QuillCacheError, OSError, TimeoutError) as exc:
+            log.info("own store's data address not resolved: %s", exc)
+        return self._data_address
+
+    def _batcher(self):
+        if self._batches is None:
+            self._batches = self._batch_factory()
+        return self._batches
+
     async def store_now(self, keys: list[KvBlockKey]) -> int:
         """Store the blocks in the own store node now (a prefill for a decode engine);
         returns how many are stored. Failures are counted, never raised."""
         if not self.enabled or not keys:
             return 0
+        address = await self.data_address()
+        if address:
+            return await self._store_batch(address, keys)
 
         async def one(key: KvBlockKey) -> bool:
             async with self._fetch_slots:
@@ -203,6 +245,58 @@ class BlockMover:
         stored = sum(await asyncio.gather(*(one(key) for key in keys)))
         self.stats.stored_through += stored
         return stored
+
+    async def _store_batch(self, address: str, keys: list[KvBlockKey]) -> int:
+        shape, batcher = self.kv_shape, self._batcher()
+
+        def run():
+            blocks = [(key, kv_payload(key.block_hash, shape)) for key in keys]
+            return batcher.put_many(address, blocks), len(blocks[0][1])
+
+        outcomes, size = await asyncio.to_thread(run)
+        stored = sum(1 for o in outcomes if isinstance(o, CacheTier))
+        if stored < len(keys):
+            self.stats.offload_failures += len(keys) - stored
+            first = next(o for o in outcomes if not isinstance(o, CacheTier))
+            log.warning("store of %d of %d blocks failed: %s", len(keys) - stored, len(keys), first)
+        self.stats.offloaded_bytes += stored * size
+        self.stats.stored_through += stored
+        self.stats.batched_puts += stored
+        return stored
+
+    async def fetch_many(self, wanted: Sequence[tuple[KvBlockKey, str, str]]) -> list[bool]:
+        """`fetch` for each (key, source node, source address), in order: the leading
+        ones on the own node in one batch when it can, the rest (and any the batch
+        missed) one by one, concurrently."""
+        own = 0
+        while own < len(wanted) and self._is_own(wanted[own][1], wanted[own][2]):
+            own += 1
+        address = await self.data_address() if own else ""
+        results: list[bool] = []
+        if address:
+            shape, batcher = self.kv_shape, self._batcher()
+            keys = [w[0] for w in wanted[:own]]
+
+            def run() -> list[bool]:
+                got = batcher.get_many(address, keys)
+                return [
+                    data is not None and data == kv_payload(key.block_hash, shape)
+                    for key, data in zip(keys, got, strict=True)
+                ]
+
+            found = await asyncio.to_thread(run)
+            # The leading run the batch returned; from a gap on, one by one (a peer may
+            # hold them: the own node pulls them for a single get).
+            while len(results) < len(found) and found[len(results)]:
+                results.append(True)
+            self.stats.fetched += len(results)
+            self.stats.batched_fetches += len(results)
+            self.stats.fetched_bytes += len(results) * payload_size(shape)
+        rest = await asyncio.gather(*(self.fetch(*w) for w in wanted[len(results) :]))
+        return results + list(rest)
+
+    def _is_own(self, source_node: str, source_address: str) -> bool:
+        return bool(self.own_address) and (not source_address or source_node == self.own_node_id)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every queued offload finished (or `timeout_s` passed)."""
@@ -254,6 +348,9 @@ class BlockMover:
         for task in workers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        batches, self._batches = self._batches, None
+        if batches is not None:
+            await asyncio.to_thread(batches.close)
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             with contextlib.suppress(Exception):

@@ -78,14 +78,18 @@ class Scheduler:
         if delay > _MIN_SLEEP_S:
             await self._sleep(delay)
 
-    async def prefill(self, tokens: int) -> float:
-        """Wait for this request's turn and its prefill time; returns the end time."""
+    async def prefill(self, tokens: int, started: asyncio.Event | None = None) -> float:
+        """Wait for this request's turn and its prefill time; returns the end time.
+        `started` is set when the prefill begins (its turn came)."""
         start, end = self.queue.book(self._clock(), tokens)
         if self.prefill_stalls_decodes and end > start:
             self._busy.append((start, end))
         self.waiting += 1
         self.queued_prefill_tokens += tokens
         try:
+            if started is not None:
+                await self._until(start)
+                started.set()
             await self._until(end)
         finally:
             self.waiting -= 1

@@ -7,6 +7,10 @@ HTTP routes (one port):
   `x-sim-engine`, `x-sim-hit-blocks`, `x-sim-fetched-blocks`, `x-sim-recomputed-blocks`.
 - GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /sim/stats (JSON),
   POST /reset_prefix_cache (AllBlocksCleared).
+- POST /sim/settings (benchmarks; the credential or the plain listener): change the
+  engine's role, timing and KV block shape in place (`SETTABLE`), re-registered; the
+  answer lists them all. Lets one set of engines serve a benchmark's runs of several
+  shapes (colocated, then split) without a restart.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import hashlib
 import hmac
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from aiohttp import web
@@ -35,11 +39,24 @@ from quillcache_simengine.kvcache import PrefixCache
 from quillcache_simengine.offload import BlockMover, StoreFactory, default_store_factory
 from quillcache_simengine.openai_api import ApiError
 from quillcache_simengine.scheduler import Scheduler
+from quillcache_store.datapath.batch import BlockBatches
+from quillcache_store.links import record_data_address
 
 # Counters only, no request content: any cluster certificate may read them.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/sim/stats"})
 
-__all__ = ["SimEngineServer", "load_tokenizer"]
+# What POST /sim/settings may change, with each value's type.
+SETTABLE = {
+    "role": str,
+    "prefill_stalls_decodes": bool,
+    "prefill_us_per_token": int,
+    "decode_us_per_token": int,
+    "kv_layers": int,
+    "kv_heads": int,
+    "head_dim": int,
+}
+
+__all__ = ["SETTABLE", "SimEngineServer", "load_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +107,10 @@ class SimEngineServer:
             queue_blocks=config.offload_queue_blocks,
             concurrency=config.offload_concurrency,
             store_factory=store_factory,
+            batches=functools.partial(
+                BlockBatches, io_timeout_s=config.store_timeout_s, tls=self.tls
+            ),
+            data_address=self._store_data_address,
         )
         self.scheduler = Scheduler(
             prefill_us_per_token=config.prefill_us_per_token,
@@ -175,6 +196,8 @@ class SimEngineServer:
                 web.get("/metrics", self.render_metrics),
                 web.get("/sim/stats", self.sim_stats),
                 web.post("/reset_prefix_cache", self.reset_prefix_cache),
+                web.get("/sim/settings", self.settings),
+                web.post("/sim/settings", self.settings),
                 web.post("/tokenize", self.routes.tokenize),
             ]
         )
@@ -223,6 +246,15 @@ class SimEngineServer:
                 logger.warning("registration failed (retry in %.1fs): %s", delay, exc)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    async def _store_data_address(self) -> str:
+        """The own store node's block-data address, from its registry record."""
+        if self.registry is None or not self.config.store_node_id:
+            return ""
+        for record in await self.registry.list("store"):
+            if record.id == self.config.store_node_id:
+                return record_data_address(record)
+        return ""
 
     @property
     def plain_url(self) -> str:
@@ -393,3 +425,43 @@ class SimEngineServer:
     async def reset_prefix_cache(self, _request: web.Request) -> web.Response:
         cleared = self.engine.reset_prefix_cache()
         return web.json_response({"status": "ok", "cleared_blocks": cleared})
+
+    async def settings(self, request: web.Request) -> web.Response:
+        """GET: the settable settings; POST a JSON object of some: applied at once (the
+        running requests keep their booked times), re-registered when the record changes."""
+        if request.method == "POST":
+            try:
+                body = await request.json()
+            except ValueError:
+                raise ApiError(400, "the body must be a JSON object") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "the body must be a JSON object")
+            unknown = sorted(set(body) - set(SETTABLE))
+            if unknown:
+                raise ApiError(400, f"not settable: {unknown}; settable: {sorted(SETTABLE)}")
+            for name, value in body.items():
+                if type(value) is not SETTABLE[name]:
+                    raise ApiError(400, f"{name} must be {SETTABLE[name].__name__}")
+            if body.get("role", "both") not in ("prefill", "decode", "both"):
+                raise ApiError(400, "role must be prefill, decode or both")
+            try:
+                config = replace(self.config, **body)
+            except QuillCacheError as exc:  # the config's own checks
+                raise ApiError(400, str(exc)) from None
+            await self.apply(config)
+        return web.json_response({name: getattr(self.config, name) for name in SETTABLE})
+
+    async def apply(self, config: SimEngineConfig) -> None:
+        """Run under `config` from now on (only SETTABLE fields may differ)."""
+        old, self.config = self.config, config
+        self.engine.role = config.role
+        sched = self.scheduler
+        sched.prefill_stalls_decodes = config.prefill_stalls_decodes
+        sched.queue.us_per_token = config.prefill_us_per_token
+        sched.decode_interval_s = config.decode_us_per_token * config.time_scale / 1e6
+        self.mover.kv_shape = config.kv_shape
+        self.routes.config = config
+        if self.registry is not None and (old.role, old.kv_shape) != (config.role, config.kv_shape):
+            await self.registry.register(self.record(), config.lease_ttl_s)
+            self._registered = True
+        logger.info("settings now %s", {n: getattr(config, n) for n in SETTABLE})

@@ -104,6 +104,9 @@ def test_a_split_request_is_decoded_from_the_kv_the_prefill_engine_stored(cluste
     after = [sim_stats(endpoints, i) for i in (0, 1)]
     assert after[1]["engine"]["fetched_blocks"] - before[1]["engine"]["fetched_blocks"] == loadable
     assert after[1]["store"]["fetch_mismatches"] == 0
+    # both sides in one exchange with their store's data port, not one RPC per block
+    assert after[1]["store"]["batched_fetches"] - before[1]["store"]["batched_fetches"] == loadable
+    assert after[0]["store"]["batched_puts"] - before[0]["store"]["batched_puts"] == loadable
     assert (
         after[0]["engine"]["written_through_blocks"] - before[0]["engine"]["written_through_blocks"]
         == loadable

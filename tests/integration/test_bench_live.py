@@ -73,3 +73,30 @@ def test_a_tiny_run_through_the_real_sglang_router(tmp_path: Path) -> None:
     assert json.loads(json.dumps({"runs": runs})) == {"runs": runs}
     assert "sglang-router-round_robin" in table(runs)
     assert goals(runs) == []  # no quillcache row, no goal to judge
+
+
+def test_a_sim_engine_takes_new_settings_in_place(tmp_path: Path) -> None:
+    """POST /sim/settings (bench-live's decode workload and its split row): the role,
+    the interference model and the KV shape change without a restart; a bad value is a
+    400 and changes nothing."""
+    engine = PlainSimEngine(tmp_path).start(timeout_s=20.0)
+    try:
+        sim = Engine("engine-0", engine.fields["plain_http"])
+        before = sim.settings()
+        assert before["role"] == "both" and before["prefill_stalls_decodes"] is False
+        after = sim.settings({"role": "decode", "prefill_stalls_decodes": True, "kv_layers": 2})
+        assert after == {**before, "role": "decode", "prefill_stalls_decodes": True, "kv_layers": 2}
+        for bad in ({"role": "boss"}, {"kv_layers": 0}, {"port": 1}, {"kv_heads": "2"}):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                sim.settings(bad)
+            assert refused.value.code == 400
+        assert sim.settings() == after
+        # the TLS port wants the engine credential for it, as for everything else
+        request = urllib.request.Request(
+            engine.fields["http"] + "/sim/settings", data=b"{}", method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=5.0, context=client_context())
+        assert refused.value.code == 401
+    finally:
+        engine.stop()

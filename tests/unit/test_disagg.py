@@ -96,6 +96,16 @@ def test_what_the_engines_hold_is_neither_recomputed_nor_moved():
 
 
 @pytest.mark.unit
+def test_a_prefill_engine_on_the_decode_engines_store_node_moves_nothing():
+    request = make_request(16, decode_tokens=256)
+    d = engine("d", store="s-0")
+    far, near = engine("far", store="s-1"), engine("near", store="s-0")
+    choice = choose(request, d, "decode", [(far, "prefill"), (near, "prefill")], bps=50e6)
+    assert choice.prefill.id == "near" and choice.transfer_blocks == 0
+    assert choose(request, d, "decode", [(far, "prefill")], bps=50e6).transfer_blocks > 0
+
+
+@pytest.mark.unit
 def test_a_blocks_move_costs_what_the_last_transfers_measured():
     bw = disagg.Bandwidth(500e6)
     assert bw.block_us(2 << 20) == pytest.approx((2 << 20) / 500e6 * 1e6)  # assumed

@@ -193,7 +193,10 @@ def choose(
         compute = tokens - cum[p_hbm]
         prefill_us = float(cost_model.prefill_cost_us(compute))
         queue_us = float(cost_model.queue_cost_us(p))
-        moved = max(0, full - d_pool)
+        # A prefill engine on the decode engine's store node writes the blocks where
+        # the decode engine loads them: nothing to move.
+        same_store = bool(p.store_node_id) and p.store_node_id == decode.store_node_id
+        moved = 0 if same_store else max(0, full - d_pool)
         transfer_us = moved * bandwidth.block_us(request.block_bytes)
         load_us = max(0, full - d_hbm) * load_us_per_block
         cost = (

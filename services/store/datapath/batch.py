@@ -1,0 +1,148 @@
+"""A request's blocks in one exchange with a store's block-data port (raw TCP, framing
+in `dataproto`), for a client such as an engine: `put_many` sends every put of a batch
+back to back and then reads their acks (the protocol allows several puts before their
+acks), `get_many` sends one request naming every block and reads them back to back.
+One connection and one round trip per batch instead of one RPC per block: what a
+prefill for another engine (disaggregation) writes, and what the decode engine loads.
+
+Per block, an outcome: a put's landed tier or its error; a get's bytes (checked against
+the checksum the store recorded) or None. A connection that fails ends the batch: the
+blocks not yet answered fail (NodeUnavailable for puts, None for gets), never raised.
+
+Blocking: call from a worker thread. Thread-safe (connections are taken one caller at a
+time from a shared `DataConnections`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from quillcache_core.errors import InvalidArgument, NodeUnavailable, QuillCacheError
+from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.security.tls import Tls
+from quillcache_store.blockcodec import payload_checksum
+from quillcache_store.datapath import protocol as dataproto
+from quillcache_store.datapath.conn import DataConnections
+from quillcache_store.datapath.server import drain, recv_exactly, send_parts
+
+__all__ = ["BlockBatches"]
+
+_IDLE_PER_ADDRESS = 4
+# Puts sent before their acks are read: acks are 28 bytes, so the store's send buffer
+# never fills while this side is still writing.
+_PUTS_IN_FLIGHT = 256
+_MAX_BLOCK_BYTES = 1 << 30
+
+
+class BlockBatches:
+    def __init__(
+        self, *, io_timeout_s: float = 30.0, connect_timeout_s: float = 5.0, tls: Tls | None = None
+    ) -> None:
+        self._conns = DataConnections(
+            idle_per_address=_IDLE_PER_ADDRESS,
+            io_timeout_s=io_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            tls=tls,
+        )
+
+    def close(self) -> None:
+        self._conns.close()
+
+    def put_many(
+        self,
+        address: str,
+        blocks: Sequence[tuple[KvBlockKey, bytes | memoryview]],
+        *,
+        tier: CacheTier = CacheTier.CPU_DRAM,
+    ) -> list[CacheTier | QuillCacheError]:
+        """Store every (key, payload) on the node whose data port is `address`; per
+        block the tier it landed in or the store's error."""
+        out: list[CacheTier | QuillCacheError] = []
+        for start in range(0, len(blocks), _PUTS_IN_FLIGHT):
+            part = blocks[start : start + _PUTS_IN_FLIGHT]
+            out += self._put_part(address, part, tier)
+        return out
+
+    def _put_part(self, address, blocks, tier) -> list[CacheTier | QuillCacheError]:
+        frames, sums = [], []
+        for key, payload in blocks:
+            view = memoryview(payload).cast("B")
+            checksum = payload_checksum(view)
+            sums.append((checksum, view.nbytes))
+            frames += [dataproto.encode_put(key, view.nbytes, checksum, tier=tier, durable=False)]
+            frames.append(view)
+        sock = None
+        out: list[CacheTier | QuillCacheError] = []
+        try:
+            sock, _ = self._conns.take(address)
+            send_parts(sock, frames)
+            head = memoryview(bytearray(dataproto.BLOCK_HEADER.size))
+            keep = True
+            for checksum, nbytes in sums:
+                if recv_exactly(sock, head) < head.nbytes:
+                    raise NodeUnavailable(f"data port {address} closed the connection")
+                ack = dataproto.decode_ack(head)
+                message = ""
+                if ack.message_len:
+                    text = memoryview(bytearray(ack.message_len))
+                    if recv_exactly(sock, text) < ack.message_len:
+                        raise NodeUnavailable(f"data port {address} closed inside an ack")
+                    message = bytes(text).decode("utf-8", "replace")
+                if ack.status == dataproto.STATUS_INVALID_ARGUMENT:
+                    keep = False  # the store drops the connection after a malformed put
+                if ack.status != dataproto.STATUS_OK:
+                    out.append(dataproto.error_of(ack.status, message or "put refused"))
+                elif ack.checksum != checksum or ack.payload_len != nbytes:
+                    raise NodeUnavailable(f"data port {address} acknowledged another block")
+                else:
+                    out.append(ack.tier)
+                if not keep:
+                    break
+        except (OSError, QuillCacheError) as exc:
+            if sock is not None:
+                sock.close()
+                sock = None
+            failed = exc if isinstance(exc, NodeUnavailable) else NodeUnavailable(str(exc))
+            return out + [failed] * (len(blocks) - len(out))
+        if keep:
+            self._conns.give_back(address, sock)
+        else:
+            sock.close()
+            out += [NodeUnavailable("connection closed by the store")] * (len(blocks) - len(out))
+        return out
+
+    def get_many(self, address: str, keys: Sequence[KvBlockKey]) -> list[bytes | None]:
+        """The blocks' bytes from the node whose data port is `address` (None for one it
+        does not hold, or that arrived damaged)."""
+        out: list[bytes | None] = []
+        for start in range(0, len(keys), dataproto.MAX_REQUEST_KEYS):
+            out += self._get_part(address, list(keys[start : start + dataproto.MAX_REQUEST_KEYS]))
+        return out
+
+    def _get_part(self, address: str, keys: list[KvBlockKey]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        sock = None
+        try:
+            request = dataproto.encode_request(keys)
+            sock, _ = self._conns.take(address)
+            sock.sendall(request)
+            head = memoryview(bytearray(dataproto.BLOCK_HEADER.size))
+            for _key in keys:
+                if recv_exactly(sock, head) < head.nbytes:
+                    raise NodeUnavailable(f"data port {address} closed the connection")
+                block = dataproto.decode_block_header(head, _MAX_BLOCK_BYTES)
+                if block.message_len:
+                    drain(sock, block.message_len)
+                if block.status != dataproto.STATUS_OK:
+                    out.append(None)
+                    continue
+                data = bytearray(block.payload_len)
+                if recv_exactly(sock, memoryview(data)) < block.payload_len:
+                    raise NodeUnavailable(f"data port {address} closed inside a block")
+                out.append(bytes(data) if payload_checksum(data) == block.checksum else None)
+        except (OSError, ConnectionError, QuillCacheError, InvalidArgument):
+            if sock is not None:
+                sock.close()
+            return out + [None] * (len(keys) - len(out))
+        self._conns.give_back(address, sock)
+        return out
