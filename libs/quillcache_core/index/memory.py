@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import repeat
+from itertools import compress, count, repeat
+from operator import is_
 
 from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.model import (
@@ -38,6 +39,9 @@ _PrefixCell = KvBlockKey | set[KvBlockKey]
 # keeps its one type test; the rare dict case (locate_hash) builds the chain.
 _PENDING = "pending chain"
 _LIVE = "blocks left"  # ... and how many of its blocks are still held (not removed)
+
+
+_dict = dict
 
 
 def _tier_value(tier: object) -> str:
@@ -412,27 +416,49 @@ class MemoryIndex(IndexBackend):
         return [residency for records in cell.values() for residency in records.values()]
 
     def locate_hashes(self, block_hashes) -> list[list[CacheResidency]]:
-        """locate_hash for each hash, inlined for the common one-record case (planner hot path)."""
-        get = self._by_hash.get
-        out: list[list[CacheResidency]] = []
-        append = out.append
-        for block_hash in block_hashes:
-            cell = get(block_hash)
-            if cell is None:
-                append([])
-            elif type(cell) is not dict:
-                append([cell])
-            else:
-                append(self.locate_hash(block_hash))
+        """locate_hash for each hash, in C-level passes for the common one-record cell."""
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        cells = list(map(self._by_hash.get, hashes))
+        out = [[cell] for cell in cells]
+        if None in cells:
+            for i in compress(count(), map(is_, cells, repeat(None))):
+                out[i] = []
+        if _dict in set(map(type, cells)):
+            self._fill_dict_cells(hashes, cells, out)
         return out
 
     def locate_prefix(self, block_hashes, extra=None) -> list[list[CacheResidency]]:
-        """`IndexBackend.locate_prefix`, inlined like locate_hashes (the Plan hot path)."""
+        """`IndexBackend.locate_prefix` in C-level passes (the Plan hot path): look every
+        hash up, cut at the first miss, wrap each record in its list; only the blocks
+        with several records (a dict cell) take a Python step each."""
+        hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
+        if extra and any(map(extra.get, hashes)):
+            return self._locate_prefix_extra(hashes, extra)
+        cells = list(map(self._by_hash.get, hashes))
+        if None in cells:
+            del cells[cells.index(None) :]
+        out = [[cell] for cell in cells]
+        if _dict in set(map(type, cells)):
+            self._fill_dict_cells(hashes, cells, out)
+        return out
+
+    def _fill_dict_cells(self, hashes: list[str], cells: list, out: list[list]) -> None:
+        """Replace out[i] by the records of each dict cell (several records, or a pending
+        chain: located again, as building one chain rewrites its other hashes' cells)."""
+        for i in compress(count(), map(is_, map(type, cells), repeat(_dict))):
+            cell = cells[i]
+            if len(cell) == 1 and _PENDING not in cell:
+                for records in cell.values():  # several copies of one key
+                    out[i] = list(records.values())
+            else:
+                out[i] = self.locate_hash(hashes[i])
+
+    def _locate_prefix_extra(self, hashes: list[str], extra) -> list[list[CacheResidency]]:
         get = self._by_hash.get
-        more = extra.get if extra else None
+        more = extra.get
         out: list[list[CacheResidency]] = []
         append = out.append
-        for block_hash in block_hashes:
+        for block_hash in hashes:
             cell = get(block_hash)
             if cell is None:
                 found = []
@@ -440,10 +466,9 @@ class MemoryIndex(IndexBackend):
                 found = [cell]
             else:
                 found = self.locate_hash(block_hash)
-            if more is not None:
-                added = more(block_hash)
-                if added:
-                    found = found + added
+            added = more(block_hash)
+            if added:
+                found = found + added
             if not found:
                 break
             append(found)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 
 from quillcache_core.index.base import IndexBackend
 from quillcache_core.model import CacheResidency, CacheTier, RequestShape
 from quillcache_core.routing.guard import audit_reuse
 from quillcache_core.routing.policy import Fleet, PlanDecision, Policy
+
+_block_hash = itemgetter(5)  # KvBlockKey.block_hash
 
 
 def plan_request(
@@ -31,7 +34,7 @@ def plan_request(
     (an engine with 32-token blocks under a 16-token index: 2); their copies count only
     in whole engine blocks (`whole_engine_blocks`).
     """
-    located = index.locate_prefix([key.block_hash for key in request.blocks], overlay)
+    located = index.locate_prefix(list(map(_block_hash, request.blocks)), overlay)
     if block_parts:
         located = whole_engine_blocks(located, block_parts)
     audit = audit_reuse(request.scope(), located)

@@ -35,8 +35,8 @@ import logging
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate
-from operator import attrgetter
+from itertools import accumulate, compress, repeat
+from operator import add, attrgetter, itemgetter, mul, ne, sub
 from typing import NamedTuple
 
 import numpy as np
@@ -52,7 +52,14 @@ from quillcache_core.model import (
 )
 from quillcache_core.routing.actions import ActionKind, ActionRun, ActionRuns
 from quillcache_core.routing.cost import best_source, pick_min, tier_prices_per_mb
-from quillcache_core.routing.policy import EngineCost, Fleet, PlanDecision, Policy, token_count
+from quillcache_core.routing.policy import (
+    EngineCost,
+    Fleet,
+    LazyCosts,
+    PlanDecision,
+    Policy,
+    token_count,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,7 @@ class _Layout(NamedTuple):
     by_store: dict[str, list[int]]  # store node -> the engines it is local to
     domains: dict[str, int]  # locality domain -> row
     engine_domain: list[int]  # engine -> its domain's row
+    ids: tuple[str, ...]  # engine -> its id
 
 
 def _layout(engines: Sequence[WorkerState]) -> _Layout:
@@ -78,7 +86,8 @@ def _layout(engines: Sequence[WorkerState]) -> _Layout:
         engine_domain.append(domains.setdefault(worker.locality_domain, len(domains)))
         if worker.store_node_id:
             by_store.setdefault(worker.store_node_id, []).append(i)
-    return _Layout(engine_index, by_store, domains, engine_domain)
+    ids = tuple(w.id for w in engines)
+    return _Layout(engine_index, by_store, domains, engine_domain, ids)
 
 
 def _load_costs(
@@ -92,8 +101,11 @@ def _load_costs(
     per_queued = float(cm.queue_us_per_prefill_token)
     per_running = float(cm.running_decode_penalty_us)
     decoding = float(cm.decode_us_per_token * decode_tokens)
-    queue = [per_queued * tokens for tokens in map(_queued_tokens, engines)]
-    decode = [decoding + per_running * running for running in map(_running_decodes, engines)]
+    # per_queued * tokens and decoding + per_running * running, in C-level passes.
+    queue = list(map(mul, repeat(per_queued), map(_queued_tokens, engines)))
+    decode = list(
+        map(add, repeat(decoding), map(mul, repeat(per_running), map(_running_decodes, engines)))
+    )
     return queue, decode
 
 
@@ -108,21 +120,25 @@ def block_runs(usable: Sequence[Sequence[CacheResidency]]) -> list[tuple[int, in
     the same on every engine. A chain offloaded together is one run, so the planner's
     work follows the number of runs (a handful), not the number of blocks.
     """
-    runs: list[tuple[int, int]] = []
-    previous = None
-    first = 0
-    for index, found in enumerate(usable):
-        if len(found) == 1:
-            mark = found[0][1:4]
-        else:
-            mark = tuple([residency[1:4] for residency in found])
-        if mark != previous:
-            if index:
-                runs.append((first, index - first))
-            previous, first = mark, index
-    if usable:
-        runs.append((first, len(usable) - first))
-    return runs
+    n = len(usable)
+    if not n:
+        return []
+    if set(map(len, usable)) == _ONE_COPY:
+        # One copy per block (the rule): its (worker, tier, bytes) is the mark.
+        marks = list(map(_copy_mark, map(_first, usable)))
+    else:
+        # Each block's copies in order; a one-copy block's mark is its 1-tuple (no
+        # block with another count can equal it, as before).
+        marks = list(map(tuple, map(map, repeat(_copy_mark), usable)))
+    # A run starts at 0 and wherever a block's mark differs from the one before.
+    starts = [0, *compress(range(1, n), map(ne, marks[1:], marks))]
+    return list(zip(starts, map(sub, [*starts[1:], n], starts), strict=True))
+
+
+_ONE_COPY = frozenset({1})
+_first = itemgetter(0)
+_copy_mark = itemgetter(slice(1, 4))  # a residency's (worker_id, tier, bytes)
+_best_us = itemgetter(1)  # _Row.best_us
 
 
 class CostPlanner(Policy):
@@ -204,7 +220,7 @@ class CostPlanner(Policy):
         if not engines:
             raise NodeUnavailable("no engine available for this request")
         cm = self.cost_model
-        engine_index, by_store, domains, engine_domain = self._layout(fleet)
+        engine_index, by_store, domains, engine_domain, ids = self._layout(fleet)
         blocks = request.blocks
         usable = usable[: len(blocks)]
         runs = block_runs(usable)
@@ -221,14 +237,19 @@ class CostPlanner(Policy):
         # Costs at run boundaries: within a run the estimate is linear in the prefix
         # length, so the best prefix always ends at a boundary.
         boundaries = [0, *accumulate(lengths)]
-        input_tokens = request.input_tokens()
+        # request.input_tokens() without summing the blocks again.
+        input_tokens = request.block_tokens_total
+        if input_tokens < 0:
+            input_tokens = token_cum[-1]
+        if request.prompt_tokens > input_tokens:
+            input_tokens = request.prompt_tokens
         per_token = cm.prefill_us_per_token
         prefill = [float(per_token * (input_tokens - token_cum[b])) for b in boundaries]
 
         # Every engine without a copy of its own (or on its own store node) shares its
         # domain's row: best prefix per row, each row once.
         rows: list[_Row] = [_best_prefix(row, lengths, prefill) for row in domain_rows]
-        row_of = [rows[d] for d in engine_domain]
+        row_of = list(map(rows.__getitem__, engine_domain))
         if engine_cells:
             own: dict[int, tuple[list[float], list[bool]]] = {}
             for (i, col), (cost, local) in engine_cells.items():
@@ -244,7 +265,7 @@ class CostPlanner(Policy):
 
         queue, decode = _load_costs(cm, engines, request.estimated_decode_tokens)
         if self.clock is None:
-            total = [q + row[1] + d for q, row, d in zip(queue, row_of, decode, strict=True)]
+            total = list(map(add, map(add, queue, map(_best_us, row_of)), decode))
         else:
             queue = self._drained(engines, queue)
             total = _weighted_totals(queue, row_of, decode)
@@ -270,7 +291,7 @@ class CostPlanner(Policy):
                 else min(alternatives, request.max_others)
             )
         if alternatives is None or alternatives >= n - 1:
-            picked = [i for i in range(n) if i != chosen_index]
+            picked = [*range(chosen_index), *range(chosen_index + 1, n)]
         elif alternatives <= 0:
             picked = []
         else:
@@ -282,7 +303,7 @@ class CostPlanner(Policy):
             k, best, fetch, hits = row_of[i]
             prefix_blocks = boundaries[k]
             return EngineCost(
-                engine_id=engines[i].id,
+                engine_id=ids[i],
                 cost_us=total[i],
                 est_ttft_us=queue[i] + best,
                 queue_us=queue[i],
@@ -295,7 +316,8 @@ class CostPlanner(Policy):
             )
 
         chosen = cost_of(chosen_index)
-        others = [cost_of(i) for i in picked]
+        # Built when read: every value cost_of reads was computed for this plan.
+        others = LazyCosts(cost_of, picked)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "plan %s -> %s cost=%.0f queue=%.0f fetch=%.0f prefill=%.0f decode=%.0f "
@@ -385,9 +407,9 @@ def _pick_lowest(total: list[float], rng: random.Random, temperature: float) -> 
     if temperature > 0.0:
         return pick_min(np.array(total, dtype=np.float64), rng, temperature)
     low = min(total)
+    if total.count(low) == 1:  # the rule: no draw from rng
+        return total.index(low)
     ties = [i for i, cost in enumerate(total) if cost == low]
-    if len(ties) == 1:
-        return ties[0]
     return ties[rng.randrange(len(ties))]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import abc
 import logging
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 
@@ -43,13 +43,54 @@ class EngineCost:
     score: float = 0.0
 
 
+class LazyCosts(Sequence[EngineCost]):
+    """Other engines' cost breakdowns, built on first use.
+
+    A plan over 64 engines with no `alternatives` cap owes 63 breakdowns; building
+    them was about a third of our planner's time while most callers read none or a
+    few. `make(i)` builds engine i's from values the plan captured (never from live
+    worker state), so a later read sees the costs as of the plan.
+    """
+
+    __slots__ = ("_make", "_picked", "_built")
+
+    def __init__(self, make: Callable[[int], EngineCost], picked: list[int]) -> None:
+        self._make: Callable[[int], EngineCost] | None = make
+        self._picked = picked
+        self._built: list[EngineCost] | None = None
+
+    def _list(self) -> list[EngineCost]:
+        built = self._built
+        if built is None:
+            built = self._built = list(map(self._make, self._picked))
+            self._make = None  # drop the plan's arrays
+        return built
+
+    def __len__(self) -> int:
+        return len(self._picked)
+
+    def __getitem__(self, index):
+        return self._list()[index]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return self._list() == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"LazyCosts({self._list()!r})"
+
+
 @dataclass(slots=True)
 class PlanDecision:
     policy: str
     engine: WorkerState
     actions: Sequence[BlockAction]  # a list, or ActionRuns
     chosen: EngineCost
-    others: list[EngineCost]
+    others: Sequence[EngineCost]  # a list, or LazyCosts
     refusals: list[Refusal] = field(default_factory=list)
     # Per block, the residencies the policy saw (set by routing.plan_request).
     usable: Sequence[Sequence[CacheResidency]] | None = None
