@@ -188,6 +188,7 @@ class UpstreamReply:
         "_remaining",
         "_keep_alive",
         "_done",
+        "_buf",
         "head_started",
         "status",
         "headers",
@@ -203,6 +204,7 @@ class UpstreamReply:
         self._remaining = -1  # body bytes left; -1 = until EOF
         self._keep_alive = False
         self._done = False
+        self._buf = bytearray()  # chunked: bytes read past the last whole chunk
         self.head_started = False
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -265,28 +267,16 @@ class UpstreamReply:
             self._done = True
 
     async def read(self) -> bytes:
-        """The next piece of the body as it arrives; b"" at its end."""
+        """The next piece of the body as it arrives; b"" at its end.
+
+        A chunked body gives every whole chunk that has arrived, at least one: a
+        stream's events that came in one read go on in one write (the same bytes)."""
         if self._done:
             return b""
         reader = self._conn.reader
         try:
             if self._chunked:
-                line = await reader.readuntil(b"\r\n")
-                try:
-                    size = int(line.split(b";", 1)[0], 16)
-                except ValueError:
-                    raise UpstreamError("malformed chunk size") from None
-                if size < 0:
-                    raise UpstreamError("malformed chunk size")
-                if size == 0:
-                    while await reader.readuntil(b"\r\n") != b"\r\n":
-                        pass  # trailers
-                    self._done = True
-                    return b""
-                data = await reader.readexactly(size + 2)
-                if data[-2:] != b"\r\n":
-                    raise UpstreamError("malformed chunk")
-                return data[:-2]
+                return await self._read_chunks(reader)
             if self._remaining < 0:
                 data = await reader.read(65536)
                 if not data:
@@ -301,6 +291,49 @@ class UpstreamReply:
             return data
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
             raise self._failed(exc) from None
+
+    async def _read_chunks(self, reader: asyncio.StreamReader) -> bytes:
+        """The data of the whole chunks buffered, reading until there is one (or the
+        last chunk: then the trailers are read too and the body is done)."""
+        buf = self._buf
+        out: list[bytes] = []
+        while True:
+            pos, size_end = 0, buf.find(b"\r\n")
+            while size_end >= 0:
+                try:
+                    size = int(bytes(buf[pos:size_end]).split(b";", 1)[0], 16)
+                except ValueError:
+                    raise UpstreamError("malformed chunk size") from None
+                if size < 0:
+                    raise UpstreamError("malformed chunk size")
+                if size == 0:
+                    # The last chunk; trailer lines, if any, up to an empty line.
+                    end = buf.find(b"\r\n\r\n", size_end)
+                    if end < 0:
+                        break
+                    if len(buf) > end + 4:
+                        self._keep_alive = False  # bytes after the body: not reusable
+                    buf.clear()
+                    self._done = True
+                    return b"".join(out)
+                end = size_end + 2 + size
+                if len(buf) < end + 2:
+                    break
+                if buf[end : end + 2] != b"\r\n":
+                    raise UpstreamError("malformed chunk")
+                out.append(bytes(buf[size_end + 2 : end]))
+                pos = end + 2
+                size_end = buf.find(b"\r\n", pos)
+            if pos:
+                del buf[:pos]
+            if out:
+                return b"".join(out)
+            if size_end < 0 and len(buf) > MAX_HEAD_BYTES:
+                raise UpstreamError("malformed chunk size")
+            data = await reader.read(65536)
+            if not data:
+                raise asyncio.IncompleteReadError(bytes(buf), None)
+            buf += data
 
     async def read_all(self) -> bytes:
         """The whole body (the engine's non-streamed answers are small)."""
