@@ -42,6 +42,7 @@ _LIVE = "blocks left"  # ... and how many of its blocks are still held (not remo
 
 
 _dict = dict
+_SLICE = 16  # hashes locate_prefix looks up at a time
 
 
 def _tier_value(tier: object) -> str:
@@ -434,9 +435,19 @@ class MemoryIndex(IndexBackend):
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         if extra and any(map(extra.get, hashes)):
             return self._locate_prefix_extra(hashes, extra)
-        cells = list(map(self._by_hash.get, hashes))
+        # In slices of _SLICE hashes: a lookup past the first miss is wasted, and a miss
+        # is the dearest lookup in a large dict (cold probes).
+        get = self._by_hash.get
+        cells = list(map(get, hashes[:_SLICE]))
         if None in cells:
             del cells[cells.index(None) :]
+        else:
+            for start in range(_SLICE, len(hashes), _SLICE):
+                more = list(map(get, hashes[start : start + _SLICE]))
+                if None in more:
+                    cells += more[: more.index(None)]
+                    break
+                cells += more
         out = [[cell] for cell in cells]
         if _dict in set(map(type, cells)):
             self._fill_dict_cells(hashes, cells, out)

@@ -36,7 +36,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from itertools import accumulate, compress, repeat
-from operator import add, attrgetter, itemgetter, mul, ne, sub
+from operator import add, itemgetter, ne, sub
 from typing import NamedTuple
 
 import numpy as np
@@ -101,16 +101,10 @@ def _load_costs(
     per_queued = float(cm.queue_us_per_prefill_token)
     per_running = float(cm.running_decode_penalty_us)
     decoding = float(cm.decode_us_per_token * decode_tokens)
-    # per_queued * tokens and decoding + per_running * running, in C-level passes.
-    queue = list(map(mul, repeat(per_queued), map(_queued_tokens, engines)))
-    decode = list(
-        map(add, repeat(decoding), map(mul, repeat(per_running), map(_running_decodes, engines)))
-    )
+    # Comprehensions: their attribute reads are specialised, faster than attrgetter maps.
+    queue = [per_queued * w.queued_prefill_tokens for w in engines]
+    decode = [decoding + per_running * w.running_decodes for w in engines]
     return queue, decode
-
-
-_queued_tokens = attrgetter("queued_prefill_tokens")
-_running_decodes = attrgetter("running_decodes")
 
 
 def block_runs(usable: Sequence[Sequence[CacheResidency]]) -> list[tuple[int, int]]:
