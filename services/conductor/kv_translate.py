@@ -108,6 +108,7 @@ _SPAN = 1 << _SPAN_BITS
 _Run = list[Any]
 _LIVE = 6
 _HBM = CacheTier.HBM.value  # the tier of an engine's own cache
+_TIERS = {tier.value: tier for tier in CacheTier}  # CacheTier(value) without the enum call
 
 _new = tuple.__new__
 _StoredOp = tuple[Any, ...]
@@ -481,11 +482,24 @@ class EngineEventTranslator:
     def _removed(self, op: tuple[Any, ...]) -> None:
         blocks = self._blocks
         holder = (op[3]._value_, op[4])
+        runs = self._runs
+        only = (holder,)
+        release = self._release
+        stats = self.stats
         for key_of_engine in op[2]:
             value = blocks.get(key_of_engine)
+            if type(value) is int:
+                # A bulk run's block: its hash and holders are the run's (no _Entry built).
+                run = runs[value >> _SPAN_BITS]
+                if run[_HOLDERS] == only:
+                    del blocks[key_of_engine]
+                    self._forget(value)  # after the del: its block is no longer mapped
+                    release(run[0][value & (_SPAN - 1)], holder[0])
+                    stats.blocks_removed += 1
+                    continue
             entry = None if value is None else self._entry(value)
             if entry is None or holder not in entry[_HOLDERS]:
-                self.stats.unknown_removed += 1
+                stats.unknown_removed += 1
                 continue
             holders = entry[_HOLDERS]
             self._forget(value)
@@ -494,8 +508,8 @@ class EngineEventTranslator:
             else:
                 at = holders.index(holder)
                 blocks[key_of_engine] = (*entry[:_HOLDERS], holders[:at] + holders[at + 1 :])
-            self._release(entry[_HASH], holder[0])
-            self.stats.blocks_removed += 1
+            release(entry[_HASH], holder[0])
+            stats.blocks_removed += 1
 
     def _release(self, our_hash: str, tier: str) -> None:
         """One engine copy of our block on `tier` is gone; drop the record with the last."""
@@ -506,7 +520,7 @@ class EngineEventTranslator:
             return
         if refs is not None:
             refs.pop(our_hash, None)
-        self.index.remove_tier(self.engine_id, our_hash, CacheTier(tier))
+        self.index.remove_tier(self.engine_id, our_hash, _TIERS[tier])
         if self.on_released is not None and tier == _HBM:
             self.on_released(our_hash)
 
