@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--decode-rps",
-        default="1,4",
+        default="2,8",
         help="the decode workload's light and heavy request rates (its streams are long)",
     )
     p.add_argument(

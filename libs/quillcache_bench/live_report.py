@@ -238,7 +238,7 @@ def plot(runs: Sequence[Mapping], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names: list[str] = []
+    names: list[str] = [n for n in (OURS, SPLIT) if any(n in r["systems"] for r in runs)]
     for run in runs:
         names += [n for n in run["systems"] if n not in names]
     labels = [f"{r['workload']}\n{r['load']}" for r in runs]
