@@ -3,7 +3,8 @@
 Random fleets (engines, store nodes, domains, loads) and random copies, checked against
 per-block definitions: the cost planner's engine, actions and costs against a brute
 force over every engine and prefix, and the memory index's batched lookups against
-one locate_hash per block.
+one locate_hash per block. Each test runs over the compiled half of
+quillcache_core.hotpath and over its Python half.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import random
 
 import pytest
 
+from quillcache_core import hotpath
 from quillcache_core.index import MemoryIndex
 from quillcache_core.index.base import Chain
 from quillcache_core.model import MIB, CacheResidency, CacheTier, CostModel, WorkerState
@@ -23,6 +25,17 @@ from quillcache_core.routing.policy import Fleet, LazyCosts
 from tests.unit.factories import make_request
 
 pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def hot_half(request):
+    """Every test here runs over both halves of quillcache_core.hotpath."""
+    if request.param == "compiled" and hotpath.compiled is None:
+        pytest.skip("the C extension is not built (pip install -e . builds it)")
+    hotpath.use(request.param == "compiled")
+    yield request.param
+    hotpath.use(True)
+
 
 CM = CostModel()
 TIERS = list(CacheTier)

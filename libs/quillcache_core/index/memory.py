@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import compress, count, repeat
-from operator import is_
+from itertools import repeat
 
+from quillcache_core import hotpath
 from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.model import (
     CacheResidency,
@@ -39,10 +39,6 @@ _PrefixCell = KvBlockKey | set[KvBlockKey]
 # keeps its one type test; the rare dict case (locate_hash) builds the chain.
 _PENDING = "pending chain"
 _LIVE = "blocks left"  # ... and how many of its blocks are still held (not removed)
-
-
-_dict = dict
-_SLICE = 16  # hashes locate_prefix looks up at a time
 
 
 def _tier_value(tier: object) -> str:
@@ -417,52 +413,27 @@ class MemoryIndex(IndexBackend):
         return [residency for records in cell.values() for residency in records.values()]
 
     def locate_hashes(self, block_hashes) -> list[list[CacheResidency]]:
-        """locate_hash for each hash, in C-level passes for the common one-record cell."""
+        """locate_hash for each hash, in one pass (`hotpath.locate`) for the common cells."""
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
-        cells = list(map(self._by_hash.get, hashes))
-        out = [[cell] for cell in cells]
-        if None in cells:
-            for i in compress(count(), map(is_, cells, repeat(None))):
-                out[i] = []
-        if _dict in set(map(type, cells)):
-            self._fill_dict_cells(hashes, cells, out)
-        return out
+        found, todo = hotpath.locate(self._by_hash, hashes, False, _PENDING)
+        if todo:
+            for i in todo:  # pending chains, several keys under one hash
+                found[i] = self.locate_hash(hashes[i])
+        return found
 
     def locate_prefix(self, block_hashes, extra=None) -> list[list[CacheResidency]]:
-        """`IndexBackend.locate_prefix` in C-level passes (the Plan hot path): look every
-        hash up, cut at the first miss, wrap each record in its list; only the blocks
-        with several records (a dict cell) take a Python step each."""
+        """`IndexBackend.locate_prefix` in one pass (`hotpath.locate`, the Plan hot path);
+        only a pending chain's or a shared hash's cell takes a Python step."""
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
         if extra and any(map(extra.get, hashes)):
             return self._locate_prefix_extra(hashes, extra)
-        # In slices of _SLICE hashes: a lookup past the first miss is wasted, and a miss
-        # is the dearest lookup in a large dict (cold probes).
-        get = self._by_hash.get
-        cells = list(map(get, hashes[:_SLICE]))
-        if None in cells:
-            del cells[cells.index(None) :]
-        else:
-            for start in range(_SLICE, len(hashes), _SLICE):
-                more = list(map(get, hashes[start : start + _SLICE]))
-                if None in more:
-                    cells += more[: more.index(None)]
-                    break
-                cells += more
-        out = [[cell] for cell in cells]
-        if _dict in set(map(type, cells)):
-            self._fill_dict_cells(hashes, cells, out)
-        return out
-
-    def _fill_dict_cells(self, hashes: list[str], cells: list, out: list[list]) -> None:
-        """Replace out[i] by the records of each dict cell (several records, or a pending
-        chain: located again, as building one chain rewrites its other hashes' cells)."""
-        for i in compress(count(), map(is_, map(type, cells), repeat(_dict))):
-            cell = cells[i]
-            if len(cell) == 1 and _PENDING not in cell:
-                for records in cell.values():  # several copies of one key
-                    out[i] = list(records.values())
-            else:
-                out[i] = self.locate_hash(hashes[i])
+        found, todo = hotpath.locate(self._by_hash, hashes, True, _PENDING)
+        if todo:
+            # Pending chains (located again: building one rewrites its other hashes'
+            # cells) and hashes shared by several keys.
+            for i in todo:
+                found[i] = self.locate_hash(hashes[i])
+        return found
 
     def _locate_prefix_extra(self, hashes: list[str], extra) -> list[list[CacheResidency]]:
         get = self._by_hash.get

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
-from operator import eq, itemgetter
 
+from quillcache_core import hotpath
 from quillcache_core.model import CacheResidency, IdentityScope
 
 
@@ -28,11 +27,6 @@ class ReuseAudit:
     refusals: list[Refusal]
 
 
-_key = itemgetter(0)  # CacheResidency.key
-_identity = itemgetter(slice(0, 4))  # a KvBlockKey's (model, tokenizer, adapter, tenant)
-_LIST = frozenset({list})
-
-
 def audit_reuse(scope: IdentityScope, located: Sequence[Sequence[CacheResidency]]) -> ReuseAudit:
     """Split located residencies into usable (same identity) and refused (any other).
 
@@ -44,10 +38,11 @@ def audit_reuse(scope: IdentityScope, located: Sequence[Sequence[CacheResidency]
     # A key's first four fields are its identity: one tuple comparison per residency.
     want = (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id)
     # The rule is that everything matches (hashes fold in the identity): one flat
-    # C-level pass decides, and the located lists are then usable as they are.
-    if all(map(eq, map(_identity, map(_key, chain.from_iterable(located))), repeat(want))):
-        if set(map(type, located)) <= _LIST:
-            return ReuseAudit(usable=list(located), refusals=[])
+    # pass decides (hotpath.same_scope), and the located lists are then usable as they are.
+    same = hotpath.same_scope(located, want) if type(located) is list else None
+    if same:  # a list of lists, every copy of this identity: usable as they are
+        return ReuseAudit(usable=list(located), refusals=[])
+    if same is None and all(residency[0][:4] == want for found in located for residency in found):
         return ReuseAudit(
             usable=[found if isinstance(found, list) else list(found) for found in located],
             refusals=[],

@@ -35,12 +35,13 @@ import logging
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
-from itertools import accumulate, compress, repeat
-from operator import add, itemgetter, ne, sub
+from itertools import accumulate
+from operator import add, itemgetter
 from typing import NamedTuple
 
 import numpy as np
 
+from quillcache_core import hotpath
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
 from quillcache_core.model import (
     MIB,
@@ -114,24 +115,10 @@ def block_runs(usable: Sequence[Sequence[CacheResidency]]) -> list[tuple[int, in
     the same on every engine. A chain offloaded together is one run, so the planner's
     work follows the number of runs (a handful), not the number of blocks.
     """
-    n = len(usable)
-    if not n:
-        return []
-    if set(map(len, usable)) == _ONE_COPY:
-        # One copy per block (the rule): its (worker, tier, bytes) is the mark.
-        marks = list(map(_copy_mark, map(_first, usable)))
-    else:
-        # Each block's copies in order; a one-copy block's mark is its 1-tuple (no
-        # block with another count can equal it, as before).
-        marks = list(map(tuple, map(map, repeat(_copy_mark), usable)))
-    # A run starts at 0 and wherever a block's mark differs from the one before.
-    starts = [0, *compress(range(1, n), map(ne, marks[1:], marks))]
-    return list(zip(starts, map(sub, [*starts[1:], n], starts), strict=True))
+    runs = hotpath.block_runs(usable) if type(usable) is list else None
+    return hotpath.block_runs_py(usable) if runs is None else runs
 
 
-_ONE_COPY = frozenset({1})
-_first = itemgetter(0)
-_copy_mark = itemgetter(slice(1, 4))  # a residency's (worker_id, tier, bytes)
 _best_us = itemgetter(1)  # _Row.best_us
 
 
