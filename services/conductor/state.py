@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from quillcache_conductor import overlay
 from quillcache_conductor.listener import ReservationListener
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
-from quillcache_core.identity.hashing import keys_from_hashes
-from quillcache_core.index.base import IndexBackend
+from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.model import (
     MIB,
     CacheResidency,
@@ -544,21 +543,24 @@ class ConductorState:
         tier: CacheTier,
         nbytes: int,
     ) -> int:
-        keys = keys_from_hashes(
-            hashes,
-            token_count,
-            model_id=scope.model_id,
-            tokenizer_id=scope.tokenizer_id,
-            adapter_id=scope.adapter_id,
-            tenant_id=scope.tenant_id,
-            parent=parent or "root",
-            first_index=first_index,
-        )
-        self.index.put_many(
-            CacheResidency(k, node_id, tier, nbytes or self.default_block_bytes) for k in keys
-        )
-        self.counters.store_events += len(keys)
-        return len(keys)
+        # One Chain (the index builds its records in C-level passes, or none until read)
+        # instead of a KvBlockKey and a CacheResidency per block: the same records.
+        count = len(hashes)
+        if count:
+            self.index.put_chain(
+                Chain(
+                    (scope.model_id, scope.tokenizer_id, scope.adapter_id, scope.tenant_id),
+                    parent or "root",
+                    list(hashes),
+                    first_index,
+                    token_count,
+                    node_id,
+                    tier,
+                    nbytes or self.default_block_bytes,
+                )
+            )
+        self.counters.store_events += count
+        return count
 
     def store_blocks_removed(self, node_id: str, hashes: Sequence[str], tier: CacheTier) -> int:
         self.counters.store_events += len(hashes)
