@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import repeat
+from itertools import compress, count, repeat
 
 from quillcache_core import hotpath
 from quillcache_core.index.base import Chain, IndexBackend
@@ -422,39 +422,30 @@ class MemoryIndex(IndexBackend):
         return found
 
     def locate_prefix(self, block_hashes, extra=None) -> list[list[CacheResidency]]:
-        """`IndexBackend.locate_prefix` in one pass (`hotpath.locate`, the Plan hot path);
-        only a pending chain's or a shared hash's cell takes a Python step."""
+        """`IndexBackend.locate_prefix` in one pass (`hotpath.locate`, the Plan hot path)
+        up to the index's first miss; only a pending chain's or a shared hash's cell
+        takes a Python step, and `extra`'s records a Python step per block past it."""
         hashes = block_hashes if type(block_hashes) is list else list(block_hashes)
-        if extra and any(map(extra.get, hashes)):
-            return self._locate_prefix_extra(hashes, extra)
         found, todo = hotpath.locate(self._by_hash, hashes, True, _PENDING)
         if todo:
             # Pending chains (located again: building one rewrites its other hashes'
             # cells) and hashes shared by several keys.
             for i in todo:
                 found[i] = self.locate_hash(hashes[i])
+        if extra:
+            held = len(found)
+            added = list(map(extra.get, hashes[:held]))
+            for i in compress(count(), added):
+                found[i] = found[i] + added[i]
+            for block_hash in hashes[held:]:  # the index holds none of these at once
+                more = self.locate_hash(block_hash)
+                plus = extra.get(block_hash)
+                if plus:
+                    more = more + plus
+                if not more:
+                    break
+                found.append(more)
         return found
-
-    def _locate_prefix_extra(self, hashes: list[str], extra) -> list[list[CacheResidency]]:
-        get = self._by_hash.get
-        more = extra.get
-        out: list[list[CacheResidency]] = []
-        append = out.append
-        for block_hash in hashes:
-            cell = get(block_hash)
-            if cell is None:
-                found = []
-            elif type(cell) is not dict:
-                found = [cell]
-            else:
-                found = self.locate_hash(block_hash)
-            added = more(block_hash)
-            if added:
-                found = found + added
-            if not found:
-                break
-            append(found)
-        return out
 
     def prefix_scan(self, scope: IdentityScope, prefix_hash: str) -> list[CacheResidency]:
         """Residencies in `scope` whose key's parent hash is `prefix_hash`."""

@@ -213,19 +213,21 @@ class CostPlanner(Policy):
         n = len(engines)
 
         lengths = [length for _, length in runs]
-        # Tokens before each block boundary (blocks usually all hold 16).
-        token_cum = [0, *accumulate(map(token_count, blocks))]
         # Costs at run boundaries: within a run the estimate is linear in the prefix
-        # length, so the best prefix always ends at a boundary.
+        # length, so the best prefix always ends at a boundary. Tokens before each
+        # boundary: summed over the runs only (blocks usually all hold 16).
         boundaries = [0, *accumulate(lengths)]
-        # request.input_tokens() without summing the blocks again.
+        token_cum = [0]
+        for first, length in runs:
+            token_cum.append(token_cum[-1] + sum(map(token_count, blocks[first : first + length])))
+        # request.input_tokens(), summing only the blocks after the runs again.
         input_tokens = request.block_tokens_total
         if input_tokens < 0:
-            input_tokens = token_cum[-1]
+            input_tokens = token_cum[-1] + sum(map(token_count, blocks[boundaries[-1] :]))
         if request.prompt_tokens > input_tokens:
             input_tokens = request.prompt_tokens
         per_token = cm.prefill_us_per_token
-        prefill = [float(per_token * (input_tokens - token_cum[b])) for b in boundaries]
+        prefill = [float(per_token * (input_tokens - tokens)) for tokens in token_cum]
 
         # Every engine without a copy of its own (or on its own store node) shares its
         # domain's row: best prefix per row, each row once.
@@ -262,7 +264,6 @@ class CostPlanner(Policy):
             usable,
             fleet.store_domains,
             runs[: row_of[chosen_index][0]],
-            token_cum,
         )
         alternatives = self.alternatives
         if request.max_others is not None:
@@ -491,12 +492,8 @@ def _run_actions(
     usable: Sequence[Sequence[CacheResidency]],
     store_domains: Mapping[str, str],
     runs: Sequence[tuple[int, int]],
-    token_cum: Sequence[int],
 ) -> ActionRuns:
-    """`actions_for_prefix` for a prefix made of whole runs: one source choice per run.
-
-    `token_cum[i]` is the token count of blocks before block i.
-    """
+    """`actions_for_prefix` for a prefix made of whole runs: one source choice per run."""
     blocks = request.blocks
     out: list[ActionRun] = []
     reused = 0
@@ -509,7 +506,7 @@ def _run_actions(
         reused = first + length
     if reused < len(blocks):
         per_token = cm.prefill_us_per_token
-        tokens = token_cum[len(blocks)] - token_cum[reused]
+        tokens = sum(map(token_count, blocks[reused:]))
         out.append(
             ActionRun(
                 ActionKind.RECOMPUTE,
