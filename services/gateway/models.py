@@ -60,7 +60,8 @@ class ModelCatalog:
         upstream: Callable[[], UpstreamPool],
     ) -> None:
         self.tokenizers: dict[str, Tokenizer] = load_tokenizers(tokenizers_spec)
-        self.builtin = BuiltinTokenizer()
+        # Prompts repeat their openings (a document, a conversation so far): reuse ids.
+        self.builtin = BuiltinTokenizer(prefix_cache=64)
         self.timeout_s = timeout_s
         # Tokens a block, as the conductor's index keeps them (its Stats say; the
         # configured --block-size until they do).

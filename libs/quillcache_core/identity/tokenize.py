@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from hashlib import blake2b
+from itertools import accumulate, islice
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +33,7 @@ from quillcache_core.errors import InvalidArgument
 
 BUILTIN_VOCAB = 32_000
 BUILTIN_CACHE_PIECES = 200_000
+PREFIX_KEY_CHARS = 2048  # BuiltinTokenizer(prefix_cache): texts longer share by this many
 _PIECES = re.compile(r"\s+|\w+|[^\w\s]", re.UNICODE)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -45,15 +49,29 @@ class BuiltinTokenizer:
 
     Piece ids are memoised in a dict (at most about BUILTIN_CACHE_PIECES entries), so
     a prompt of known pieces costs one regex pass and one lookup per piece.
+
+    With `prefix_cache` (the gateway's), the last texts of at least
+    PREFIX_KEY_CHARS characters are kept, at most that many, each under its first
+    PREFIX_KEY_CHARS characters; a text opening like one of them reuses its ids up to
+    the last piece that ends before where the two texts differ and splits only the
+    rest (a document asked about again, a conversation's next turn). The ids are those
+    of a full pass: a piece's extent depends only on its characters and the one after.
     """
 
     name = "builtin-v1"
 
-    def __init__(self) -> None:
+    def __init__(self, prefix_cache: int = 0) -> None:
         self._ids: dict[str, int] = {}
+        self._prefix_cache = prefix_cache
+        # first PREFIX_KEY_CHARS characters -> (text, its ids, each piece's end offset)
+        self._recent: OrderedDict[str, tuple[str, list[int], list[int]]] = OrderedDict()
 
     def encode(self, text: str) -> list[int]:
-        pieces = _PIECES.findall(text)
+        if self._prefix_cache and len(text) > PREFIX_KEY_CHARS:
+            return self._encode_reusing(text)
+        return self._encode_pieces(_PIECES.findall(text))
+
+    def _encode_pieces(self, pieces: list[str]) -> list[int]:
         ids = self._ids
         try:
             return list(map(ids.__getitem__, pieces))
@@ -64,6 +82,46 @@ class BuiltinTokenizer:
                 if piece not in ids:
                     ids[piece] = _piece_id(piece)
             return list(map(ids.__getitem__, pieces))
+
+    def _encode_reusing(self, text: str) -> list[int]:
+        recent = self._recent
+        key = text[:PREFIX_KEY_CHARS]
+        found = recent.get(key)
+        if found is None:
+            pieces = _PIECES.findall(text)
+            ids = self._encode_pieces(pieces)
+            ends = list(accumulate(map(len, pieces)))
+        else:
+            recent.move_to_end(key)
+            old_text, old_ids, old_ends = found
+            # Pieces ending before the first difference are the same in both texts.
+            kept = bisect_left(old_ends, _common_prefix(text, old_text))
+            start = old_ends[kept - 1] if kept else 0
+            pieces = _PIECES.findall(text, start)
+            ids = old_ids[:kept]
+            ids += self._encode_pieces(pieces)
+            ends = old_ends[:kept]
+            ends += islice(accumulate(map(len, pieces), initial=start), 1, None)
+        recent[key] = (text, ids, ends)
+        if len(recent) > self._prefix_cache:
+            recent.popitem(last=False)
+        return ids[:]  # the caller's own list: the kept one stays as it is
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of two strings (slice compares, no loop
+    per character)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def _piece_id(piece: str) -> int:
