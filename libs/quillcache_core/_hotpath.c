@@ -119,15 +119,18 @@ hot_same_scope(PyObject *self, PyObject *args)
             if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) < 4) {
                 Py_RETURN_NONE;
             }
-            for (Py_ssize_t f = 0; f < 4; f++) {
-                int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, f),
-                                                    PyTuple_GET_ITEM(want, f), Py_EQ);
-                if (same < 0) {
-                    return NULL;
-                }
-                if (!same) {
-                    Py_RETURN_FALSE;
-                }
+            Py_INCREF(key);  /* an __eq__ in Python could drop the record meanwhile */
+            int same = 1;
+            for (Py_ssize_t f = 0; f < 4 && same > 0; f++) {
+                same = PyObject_RichCompareBool(PyTuple_GET_ITEM(key, f),
+                                                PyTuple_GET_ITEM(want, f), Py_EQ);
+            }
+            Py_DECREF(key);
+            if (same < 0) {
+                return NULL;
+            }
+            if (!same) {
+                Py_RETURN_FALSE;
             }
             if (!PyList_Check(found) || j >= PyList_GET_SIZE(found)) {
                 Py_RETURN_NONE;  /* a comparison changed the list */
@@ -152,12 +155,17 @@ same_copies(PyObject *a, PyObject *b)
             PyTuple_GET_SIZE(rb) < 4) {
             return -2;
         }
-        for (Py_ssize_t f = 1; f < 4; f++) {
-            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(ra, f),
-                                                PyTuple_GET_ITEM(rb, f), Py_EQ);
-            if (same <= 0) {
-                return same;
-            }
+        Py_INCREF(ra);  /* an __eq__ in Python could drop them meanwhile */
+        Py_INCREF(rb);
+        int same = 1;
+        for (Py_ssize_t f = 1; f < 4 && same > 0; f++) {
+            same = PyObject_RichCompareBool(PyTuple_GET_ITEM(ra, f), PyTuple_GET_ITEM(rb, f),
+                                            Py_EQ);
+        }
+        Py_DECREF(ra);
+        Py_DECREF(rb);
+        if (same <= 0) {
+            return same;
         }
         if (PyList_GET_SIZE(a) != n || PyList_GET_SIZE(b) != n) {
             return -2;  /* a comparison changed a list */
