@@ -28,6 +28,7 @@ from aiohttp import web
 
 from quillcache.v1 import common_pb2, conductor_pb2
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.identity.hashing import RecentChains
 from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.identity.tokenize import (
     request_tokens,
@@ -38,7 +39,6 @@ from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tenants import tenant_salt
 from quillcache_core.security.tls import role_of_cert
 from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
-from quillcache_core.wire.plan import pack_hashes
 from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
@@ -168,6 +168,7 @@ class Gateway:
             "gateway_finish_dropped_total", "Finish calls dropped because too many were queued"
         )
         self.limits = TenantLimiter(config.limits_by_tenant(), config.default_limit(), m)
+        self._chains = RecentChains()  # prompts open alike: a shared opening is hashed once
         self.fallback = PlanFallback(
             self.catalog,
             m,
@@ -456,11 +457,9 @@ class Gateway:
     async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms):
         ident = self._identity(tenant, job.model, job.tokenizer_id)
         block_size = self.catalog.block_size
-        hashes = ident.identity.hashes(job.tokens, block_size)
+        hashes, packed = self._chains.hashes(job.tokens, block_size, ident.identity.digest)
         mode = requested_mode(request.headers.get(DISAGG_HEADER))  # 400 if not a mode
-        call = _Call(
-            request_id, arrived, slo_ms, job, ident, hashes, pack_hashes(hashes), block_size, mode
-        )
+        call = _Call(request_id, arrived, slo_ms, job, ident, hashes, packed, block_size, mode)
         self.prepare_sum.inc(time.perf_counter() - arrived)
         self._finishes.hold()  # no Finish competes with this request for its answer
         try:

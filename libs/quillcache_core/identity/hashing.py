@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from hashlib import blake2b
 
@@ -116,6 +117,86 @@ def _chain(
         prev = h.digest()
         append(prev)
     return list(map(bytes.hex, digests))
+
+
+def _digests(
+    raw: bytes, start: int, full: int, step: int, identity: bytes, prev: bytes
+) -> list[bytes]:
+    """_chain's 16-byte digests, chained from the digest `prev`."""
+    fresh = _EMPTY.copy
+    digests: list[bytes] = []
+    append = digests.append
+    for offset in range(start, start + full * step, step):
+        h = fresh()
+        h.update(prev)
+        h.update(identity)
+        h.update(raw[offset : offset + step])
+        prev = h.digest()
+        append(prev)
+    return digests
+
+
+def common_prefix(a, b) -> int:
+    """Length of the longest common prefix of two str or bytes (slice compares, no
+    Python step per character)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[low:mid] == b[low:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+class RecentChains:
+    """block_hashes for prompts that open like recent ones (the gateway's).
+
+    The last `size` prompts of more than `key_blocks` full blocks are kept, each under
+    its identity, block size and first `key_blocks` blocks of token ids; a prompt that
+    opens like one of them takes its hashes for the whole blocks the two share and
+    hashes only the rest (a document asked about again, a conversation's next turn, a
+    system prompt). The hashes are those of block_hashes: a block's hash depends only
+    on the identity and the tokens up to its end.
+    """
+
+    def __init__(self, size: int = 64, key_blocks: int = 32) -> None:
+        self.size = size
+        self.key_blocks = key_blocks
+        self._recent: OrderedDict[tuple, tuple[bytes, list[bytes]]] = OrderedDict()
+
+    def hashes(
+        self, tokens: Sequence[int], block_size: int, identity: bytes
+    ) -> tuple[list[str], bytes]:
+        """(hex hashes, the same as 16-byte digests concatenated) of the full blocks."""
+        if block_size <= 0:
+            raise InvalidArgument(f"block_size must be positive, got {block_size}")
+        raw = _token_bytes(tokens)
+        step = block_size * 4
+        full = len(raw) // step
+        if full <= self.key_blocks or self.size <= 0:
+            digests = _digests(raw, 0, full, step, identity, _ZERO)
+        else:
+            recent = self._recent
+            key = (identity, step, raw[: self.key_blocks * step])
+            found = recent.get(key)
+            if found is None:
+                digests = _digests(raw, 0, full, step, identity, _ZERO)
+            else:
+                recent.move_to_end(key)
+                old_raw, old = found
+                same = min(common_prefix(raw, old_raw) // step, full, len(old))
+                digests = old[:same]
+                digests += _digests(
+                    raw, same * step, full - same, step, identity, old[same - 1] if same else _ZERO
+                )
+            recent[key] = (raw, digests)
+            if len(recent) > self.size:
+                recent.popitem(last=False)
+        return list(map(bytes.hex, digests)), b"".join(digests)
 
 
 def keys_from_hashes(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.identity.hashing import common_prefix as _common_prefix
 
 BUILTIN_VOCAB = 32_000
 BUILTIN_CACHE_PIECES = 200_000
@@ -106,22 +107,6 @@ class BuiltinTokenizer:
         if len(recent) > self._prefix_cache:
             recent.popitem(last=False)
         return ids[:]  # the caller's own list: the kept one stays as it is
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix of two strings (slice compares, no loop
-    per character)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
-    while high - low > 1:
-        mid = (low + high) // 2
-        if a[low:mid] == b[low:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
 
 
 def _piece_id(piece: str) -> int:
