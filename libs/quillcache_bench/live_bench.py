@@ -51,6 +51,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from statistics import mean
 
@@ -136,18 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--decode-rps",
-        default="2,8",
+        default="1,4",
         help="the decode workload's light and heavy request rates (its streams are long)",
     )
     p.add_argument(
         "--decode-duration-s",
         type=float,
         default=0.0,
-        help="seconds of arrivals per decode run (default: --duration-s's, at least 10: "
-        "a stream lasts about 5 s, and the stalls show once streams overlap steadily)",
+        help="seconds of arrivals per decode run (default: --duration-s's, at least 8)",
     )
     p.add_argument(
-        "--decode-step-ms", type=float, default=15.0, help="decode step on the decode workload"
+        "--decode-step-ms", type=float, default=25.0, help="decode step on the decode workload"
     )
     p.add_argument(
         "--split-roles",
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                     _shape(args, engines, baseline, system, workload)
                     timed = workload in ITL_WORKLOADS
                     rate = decode_rates[load] if timed else rates[load]
-                    seconds = (args.decode_duration_s or max(duration, 10.0)) if timed else duration
+                    seconds = _decode_seconds(args, duration) if timed else duration
                     figures, detail = _run(
                         args, system, workload, load, rate, seconds, target, engines,
                         pids, everything_ours, label,
@@ -262,6 +263,22 @@ def main(argv: list[str] | None = None) -> int:
     ]
     _report(args, runs, details, rates, decode_rates, duration, time.monotonic() - started)
     return 0
+
+
+def _warm_up(target: Target, workload: str, system: str, scale: float) -> None:
+    """A few short requests of the workload through `system` first (unmeasured): its
+    connections, and on a split the engines' data-port connections, are up before the
+    measured run, so a run's first seconds measure no handshakes. Every system alike."""
+    sessions = make_sessions(workload, 8, 8.0, 0, f"warm-{system}", size_scale=scale)
+    short = [replace(s, turns=tuple(replace(t, max_tokens=8) for t in s.turns)) for s in sessions]
+    asyncio.run(drive(target, short, cutoff_s=20.0))
+
+
+def _decode_seconds(args, duration: float) -> float:
+    """Arrivals of a decode run: --decode-duration-s, else --duration-s's but at least
+    8 s (a stream lasts 5-10 s; the stalls show once streams overlap steadily); 6 s
+    with --quick (a smoke test: the quick run stays under 6 minutes)."""
+    return args.decode_duration_s or (6.0 if args.quick else max(duration, 8.0))
 
 
 def _cells(args, system: str, cells: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -367,6 +384,9 @@ def _engines(cluster, kind: str) -> list[Engine]:
 def _run(
     args, system, workload, load, rate, duration, target, engines, pids, ours_all, label
 ) -> tuple[dict, dict]:
+    scale = args.prompt_scale or (0.12 if args.engine == "vllm" else 1.0)
+    if workload in ITL_WORKLOADS:
+        _warm_up(target, workload, system, scale)
     for engine in engines:
         engine.reset_cache()
     time.sleep(0.3)  # the conductor applies the engines' AllBlocksCleared
@@ -374,7 +394,6 @@ def _run(
     nonce = hashlib.sha256(f"{system}|{cell}".encode()).hexdigest()[:12]
     seed = int(hashlib.sha256(cell.encode()).hexdigest()[:8], 16)
     n = max(4, round(rate * duration))
-    scale = args.prompt_scale or (0.12 if args.engine == "vllm" else 1.0)
     sessions = make_sessions(workload, n, rate, seed, nonce, size_scale=scale)
     before = [e.counters() for e in engines]
     cpu0, all0 = tree_cpu_s(pids), tree_cpu_s(ours_all)
@@ -392,6 +411,9 @@ def _run(
         "quillcache_processes_cpu_s": round(all1 - all0, 3),
         "first_errors": [s.error for s in samples if s.error][:3],
     }
+    plans = Counter(s.disagg for s in samples if s.disagg)
+    if plans:  # how QuillCache carried the requests out: split, colocated, fallback
+        detail["disagg_plans"] = dict(plans)
     split = [s for s in samples if s.ok and s.prefill_ms and s.ttft_s is not None]
     if split:  # where a split's TTFT went: the prefill call, then the decode call
         detail["split_requests"] = len(split)
@@ -433,7 +455,7 @@ def _report(args, runs, details, rates, decode_rates, duration, elapsed) -> None
             "rates_rps": rates,
             "decode_rates_rps": decode_rates,
             "decode_step_ms": args.decode_step_ms,
-            "decode_duration_s": args.decode_duration_s or max(duration, 10.0),
+            "decode_duration_s": _decode_seconds(args, duration),
             "decode_engine_settings": DECODE_SETTINGS,
             "split_roles": args.split_roles.split(","),
             "duration_s": duration,

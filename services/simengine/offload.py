@@ -276,15 +276,12 @@ class BlockMover:
         if address:
             shape, batcher = self.kv_shape, self._batcher()
             keys = [w[0] for w in wanted[:own]]
-
-            def run() -> list[bool]:
-                got = batcher.get_many(address, keys)
-                return [
-                    data is not None and data == kv_payload(key.block_hash, shape)
-                    for key, data in zip(keys, got, strict=True)
-                ]
-
-            found = await asyncio.to_thread(run)
+            # The bytes to check them against are made while they travel.
+            got, expected = await asyncio.gather(
+                asyncio.to_thread(batcher.get_many, address, keys),
+                asyncio.to_thread(lambda: [kv_payload(k.block_hash, shape) for k in keys]),
+            )
+            found = [data is not None and data == e for data, e in zip(got, expected, strict=True)]
             # The leading run the batch returned; from a gap on, one by one (a peer may
             # hold them: the own node pulls them for a single get).
             while len(results) < len(found) and found[len(results)]:
