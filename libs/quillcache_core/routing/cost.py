@@ -9,7 +9,6 @@ samples p_w ~ exp(-(c_w - c_min) / ((c_max - c_min) * T)) as Dynamo does).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import random
@@ -149,9 +148,21 @@ def best_source(
     return best_cost, best, best_local
 
 
-@functools.lru_cache(maxsize=64)
+# id(cost model) -> (the model, its prices). By identity: an lru_cache hashed the frozen
+# dataclass (ten fields, in Python) on each of a plan's calls. The entry holds the
+# model, so its id cannot be reused while cached.
+_PRICES: dict[int, tuple[CostModel, dict[CacheTier, int]]] = {}
+
+
 def tier_prices_per_mb(cost_model: CostModel) -> dict[CacheTier, int]:
-    return {tier: cost_model.tier_us_per_mb(tier) for tier in CacheTier}
+    hit = _PRICES.get(id(cost_model))
+    if hit is not None and hit[0] is cost_model:
+        return hit[1]
+    prices = {tier: cost_model.tier_us_per_mb(tier) for tier in CacheTier}
+    if len(_PRICES) >= 64:
+        _PRICES.clear()
+    _PRICES[id(cost_model)] = (cost_model, prices)
+    return prices
 
 
 def estimate(
