@@ -55,15 +55,14 @@ class LazyCosts(Sequence[EngineCost]):
     __slots__ = ("_make", "_picked", "_built")
 
     def __init__(self, make: Callable[[int], EngineCost], picked: list[int]) -> None:
-        self._make: Callable[[int], EngineCost] | None = make
+        self._make = make
         self._picked = picked
         self._built: list[EngineCost] | None = None
 
     def _list(self) -> list[EngineCost]:
         built = self._built
-        if built is None:
+        if built is None:  # two threads may both build: the same values either way
             built = self._built = list(map(self._make, self._picked))
-            self._make = None  # drop the plan's arrays
         return built
 
     def __len__(self) -> int:
