@@ -104,7 +104,8 @@ def write_results(name: str, payload: dict, out_dir: str | os.PathLike = "bench/
 
 
 async def read_chat_stream(content, sent_s: float, sample) -> tuple[str, dict | None]:
-    """Read an OpenAI chat-completion stream (server-sent events) to its end.
+    """Read an OpenAI chat-completion stream (server-sent events) to its end (the whole
+    body, as the openai SDK does: a body left unread closes a keep-alive connection).
 
     `sample.ttft_s` is set at the first chunk with content (seconds after `sent_s`),
     `sample.error` at an error chunk, `sample.ok` at `[DONE]` unless an error came.
@@ -112,14 +113,16 @@ async def read_chat_stream(content, sent_s: float, sample) -> tuple[str, dict | 
     unparsable chunk raises ValueError."""
     parts: list[str] = []
     usage = None
-    async for raw in content:
+    done = False
+    async for raw in content:  # to the body's end, past [DONE], so the connection is reused
         line = raw.decode("utf-8", "replace").strip()
-        if not line.startswith("data:"):
+        if done or not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
             sample.ok = not sample.error
-            break
+            done = True
+            continue
         chunk = json.loads(data)
         if "error" in chunk:
             sample.error = str(chunk["error"])[:200]
