@@ -72,6 +72,7 @@ from quillcache_bench.live_systems import (
     ROUTERS,
     SYSTEMS,
     Engine,
+    RouterError,
     metric_sum,
     metric_text,
     start_router,
@@ -210,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             router = None
             if system not in ("quillcache", SPLIT):
-                router = start_router(system, [e.url for e in engines], data_dir / "logs")
+                router = _router(system, [e.url for e in engines], data_dir / "logs")
+                if router is None:
+                    done += len(_cells(args, system, cells))
+                    continue
             try:
                 target = quillcache if router is None else Target(router.url, None, {}, model)
                 pids = ours if router is None else [router.proc.pid]
@@ -272,6 +276,17 @@ def _warm_up(target: Target, workload: str, system: str, scale: float) -> None:
     sessions = make_sessions(workload, 8, 8.0, 0, f"warm-{system}", size_scale=scale)
     short = [replace(s, turns=tuple(replace(t, max_tokens=8) for t in s.turns)) for s in sessions]
     asyncio.run(drive(target, short, cutoff_s=20.0))
+
+
+def _router(system: str, workers: list[str], log_dir: Path):
+    """The router started (a second try on a failed start: its free ports may have
+    been taken meanwhile by another process), or None: the bench goes on without it."""
+    for attempt in (1, 2):
+        try:
+            return start_router(system, workers, log_dir)
+        except RouterError as exc:
+            print(f"{system} did not start (try {attempt}): {exc}", file=sys.stderr, flush=True)
+    return None
 
 
 def _decode_seconds(args, duration: float) -> float:
