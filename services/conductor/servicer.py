@@ -413,6 +413,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     store_node=info.state.store_node_id or "",
                     model=info.record.model or "",
                     tokenizer=info.record.tokenizer or "",
+                    role=info.record.role,
                 )
                 for info in sorted(state.engines.values(), key=lambda i: i.state.id)
             ],

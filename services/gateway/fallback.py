@@ -201,12 +201,12 @@ class PlanFallback:
         self, call, excluded: Sequence[str], reason: str, exc: BaseException | None = None
     ) -> conductor_pb2.PlanResponse:
         """A plan without a reservation onto the engine of the model that the request
-        (server._Call) hashes to; 503 when none of the model's is known or all were
-        excluded."""
+        (server._Call) hashes to, never a prefill-role one while another serves the model;
+        503 when none of the model's is known or all were excluded."""
         model = call.job.model
         engines = self.catalog.engines_for(model)
         key = route_key(call.packed, call.ident.salt_json + model.encode(), call.job.tokens)
-        chosen = rendezvous(key, engines, excluded)
+        chosen = rendezvous(key, self.catalog.decoding_engines_for(model, excluded))
         if chosen is None:
             if engines:
                 message = f"no engine could serve the request (tried {', '.join(excluded)})"

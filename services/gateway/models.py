@@ -16,7 +16,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import grpc
@@ -74,21 +74,27 @@ class ModelCatalog:
         self._retry_at = 0.0  # after a failed fetch, no background refresh until then
         # model -> its engines as (engine id, base URL), in Stats' order
         self._model_engines: dict[str, list[tuple[str, str]]] = {}
+        self._prefill_only: set[str] = set()  # engine ids whose role is prefill
         # Record tokenizer id -> its local files (None: ask an engine's /tokenize).
         self._record_tokenizers: dict[str, Tokenizer | None] = {}
         self._turn = itertools.count()
 
     def set_served(
-        self, models: dict[str, str], urls: dict[str, list[str | tuple[str, str]]] | None = None
+        self,
+        models: dict[str, str],
+        urls: dict[str, list[str | tuple[str, str]]] | None = None,
+        prefill_only: Iterable[str] = (),
     ) -> None:
         """As if the conductor had just listed these (tests, and the fetch below).
 
         `urls` lists each model's engines as (engine id, base URL), or as bare base URLs
-        (the URL then stands for the id too)."""
+        (the URL then stands for the id too); `prefill_only` the ids of engines whose
+        role is prefill."""
         self._model_engines = {
             model: [e if isinstance(e, tuple) else (e, e) for e in engines]
             for model, engines in (urls or {}).items()
         }
+        self._prefill_only = set(prefill_only)
         self._models = (time.monotonic(), models)
 
     def engines_for(self, model: str) -> list[tuple[str, str]]:
@@ -98,6 +104,15 @@ class ModelCatalog:
         if model:
             found = found + [e for e in self._model_engines.get("", []) if e not in found]
         return found
+
+    def decoding_engines_for(
+        self, model: str, excluded: Sequence[str] = ()
+    ) -> list[tuple[str, str]]:
+        """`engines_for` but `excluded`, and without the engines whose role is prefill
+        (they would decode stalled by every prefill) unless no other is left."""
+        found = [e for e in self.engines_for(model) if e[0] not in excluded]
+        decoding = [e for e in found if e[0] not in self._prefill_only]
+        return decoding or found
 
     async def served_models(self) -> dict[str, str]:
         """Models the live engines serve ("" present = some engine serves any model).
@@ -125,12 +140,15 @@ class ModelCatalog:
             self.block_size = stats.block_tokens
         models: dict[str, str] = {}
         urls: dict[str, list[str | tuple[str, str]]] = {}
+        prefill_only = []
         for engine in stats.engines:  # the first engine's record names the model's tokenizer
             models.setdefault(engine.model, engine.tokenizer)
             if engine.base_url:
                 pair = (engine.engine_id or engine.base_url, engine.base_url)
                 urls.setdefault(engine.model, []).append(pair)
-        self.set_served(models, urls)
+                if engine.role == "prefill":
+                    prefill_only.append(pair[0])
+        self.set_served(models, urls, prefill_only)
         return models
 
     async def served_tokenizer(self, model: str) -> str | None:

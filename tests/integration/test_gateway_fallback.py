@@ -172,6 +172,21 @@ def test_with_the_conductor_down_an_engine_that_fails_is_skipped_for_the_next_by
     asyncio.run(main())
 
 
+def test_with_the_conductor_down_a_prefill_engine_gets_no_request_while_another_serves():
+    async def main():
+        async with gateway_setup(2) as s:
+            s.conductor.roles = {"e1": "prefill", "e2": "decode"}
+            await warm_up(s)
+            await s.stop_conductor()
+            engines = {(await send(s, completion(prompt=prompt(n))))[2] for n in range(10)}
+            assert engines == {"e2"}  # 10 prompts, none routed to the prefill engine
+            s.engines[1].fault = "drop"  # the decode engine fails: the prefill one serves
+            status, headers, engine, _ = await send(s, completion(prompt=prompt(0)))
+            assert (status, headers[PLAN], engine) == (200, "fallback", "e1")
+
+    asyncio.run(main())
+
+
 def test_client_mistakes_keep_their_answers_with_the_conductor_down_or_refusing():
     async def main():
         async with gateway_setup(2, max_body_bytes=4096) as s:

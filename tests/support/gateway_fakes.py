@@ -44,6 +44,7 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
         name: str = "",
     ) -> None:
         self.engines = engines
+        self.roles: dict[str, str] = {}  # engine id -> role its Stats names (default both)
         self.name = name  # prefixes its reservation ids: replicas' ids never collide
         self.stream = stream
         self.delay = delay
@@ -97,7 +98,13 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
     async def Stats(self, request, context):
         return conductor_pb2.StatsResponse(
             engines=[
-                conductor_pb2.EngineStats(engine_id=e, base_url=u, model=MODEL, tokenizer=TOKENIZER)
+                conductor_pb2.EngineStats(
+                    engine_id=e,
+                    base_url=u,
+                    model=MODEL,
+                    tokenizer=TOKENIZER,
+                    role=self.roles.get(e, "both"),
+                )
                 for e, u in self.engines
             ]
         )

@@ -367,7 +367,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "base_url", "locality_domain", "inflight_requests", "queued_prefill_tokens", "resident_blocks", "store_node", "model", "tokenizer")
+    __slots__ = ("engine_id", "base_url", "locality_domain", "inflight_requests", "queued_prefill_tokens", "resident_blocks", "store_node", "model", "tokenizer", "role")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     LOCALITY_DOMAIN_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +377,7 @@ class EngineStats(_message.Message):
     STORE_NODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     base_url: str
     locality_domain: str
@@ -386,7 +387,8 @@ class EngineStats(_message.Message):
     store_node: str
     model: str
     tokenizer: str
-    def __init__(self, engine_id: _Optional[str] = ..., base_url: _Optional[str] = ..., locality_domain: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., store_node: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
+    role: str
+    def __init__(self, engine_id: _Optional[str] = ..., base_url: _Optional[str] = ..., locality_domain: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., store_node: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("policy", "index_backend", "resident_records", "resident_bytes", "plans", "events_applied", "events_rejected", "reservations_open", "reservations_expired", "engines", "guard_refusals", "plan_address", "block_tokens")
