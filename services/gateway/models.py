@@ -169,7 +169,7 @@ class ModelCatalog:
         served = await self.served_models()
         return served.get(model, served.get(""))
 
-    def tokenizer_for(self, model: str, tokenizer_id: str) -> Tokenizer | None:
+    def tokenizer_for(self, model: str, tokenizer_id: str, tenant: str = "") -> Tokenizer | None:
         """The local tokenizer for a model served under `tokenizer_id` (its engines' record),
         or None when there is none here and an engine must tokenize.
 
@@ -180,8 +180,8 @@ class ModelCatalog:
         configured = self.tokenizers.get(model)
         if configured is not None:
             return configured
-        if tokenizer_id == self.builtin.name:
-            return self.builtin
+        if tokenizer_id == self.builtin.name:  # its prompt reuse stays within the tenant
+            return self.builtin.scoped(tenant)
         name = tokenizer_id or model
         if name in self._record_tokenizers:
             return self._record_tokenizers[name]

@@ -312,7 +312,7 @@ class Gateway:
             try:
                 cfg = self.config
                 raw, payload = await read_json(request, cfg.max_body_bytes, cfg.max_json_depth)
-                job = await self._parse(raw, payload, kind)
+                job = await self._parse(raw, payload, kind, tenant)
                 slo_ms = self._slo_ms(request)
                 self.limits.charge(tenant, len(job.tokens))  # 429 over its tokens a minute
                 result = await self._proxy(request, request_id, arrived, tenant, job, slo_ms)
@@ -341,7 +341,7 @@ class Gateway:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return tenant
 
-    async def _parse(self, raw: bytes, payload: dict, kind: str) -> _Completion:
+    async def _parse(self, raw: bytes, payload: dict, kind: str, tenant: str) -> _Completion:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' must be a non-empty string", param="model")
@@ -355,7 +355,7 @@ class Gateway:
                 param="model",
             )
         field = "messages" if kind == "chat" else "prompt"
-        tokenizer = self.catalog.tokenizer_for(model, tokenizer_id)
+        tokenizer = self.catalog.tokenizer_for(model, tokenizer_id, tenant)
         try:
             if tokenizer is None:
                 tokens = await self.catalog.engine_tokens(model, payload, kind)

@@ -69,3 +69,15 @@ def test_common_prefix():
         while expect < min(len(a), len(b)) and a[expect] == b[expect]:
             expect += 1
         assert _common_prefix(a, b) == expect
+
+
+def test_reuse_stays_within_a_scope():
+    """A tenant's prompt never reuses another tenant's recent text (no timing channel)."""
+    cached = BuiltinTokenizer(prefix_cache=4)
+    text = "the same long document " * 200
+    acme, globex = cached.scoped("acme"), cached.scoped("globex")
+    ids = acme.encode(text)
+    assert len(cached._recent) == 1
+    assert globex.encode(text) == ids == BuiltinTokenizer().encode(text)
+    assert sorted(scope for scope, _ in cached._recent) == ["acme", "globex"]  # one each
+    assert acme.name == cached.name

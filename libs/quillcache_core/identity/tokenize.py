@@ -64,13 +64,22 @@ class BuiltinTokenizer:
     def __init__(self, prefix_cache: int = 0) -> None:
         self._ids: dict[str, int] = {}
         self._prefix_cache = prefix_cache
-        # first PREFIX_KEY_CHARS characters -> (text, its ids, each piece's end offset)
-        self._recent: OrderedDict[str, tuple[str, list[int], list[int]]] = OrderedDict()
+        # (scope, first PREFIX_KEY_CHARS characters) -> (text, its ids, each piece's end)
+        self._recent: OrderedDict[tuple[str, str], tuple[str, list[int], list[int]]] = OrderedDict()
 
     def encode(self, text: str) -> list[int]:
+        return self.encode_in(text, "")
+
+    def encode_in(self, text: str, scope: str) -> list[int]:
+        """`encode`, reusing only texts encoded in the same `scope` (the gateway's tenant:
+        how fast a prompt is tokenized never tells one tenant what another sent)."""
         if self._prefix_cache and len(text) > PREFIX_KEY_CHARS:
-            return self._encode_reusing(text)
+            return self._encode_reusing(text, scope)
         return self._encode_pieces(_PIECES.findall(text))
+
+    def scoped(self, scope: str) -> _Scoped:
+        """This tokenizer as a Tokenizer whose reuse is limited to `scope`."""
+        return _Scoped(self, scope)
 
     def _encode_pieces(self, pieces: list[str]) -> list[int]:
         ids = self._ids
@@ -84,9 +93,9 @@ class BuiltinTokenizer:
                     ids[piece] = _piece_id(piece)
             return list(map(ids.__getitem__, pieces))
 
-    def _encode_reusing(self, text: str) -> list[int]:
+    def _encode_reusing(self, text: str, scope: str) -> list[int]:
         recent = self._recent
-        key = text[:PREFIX_KEY_CHARS]
+        key = (scope, text[:PREFIX_KEY_CHARS])
         found = recent.get(key)
         if found is None:
             pieces = _PIECES.findall(text)
@@ -107,6 +116,18 @@ class BuiltinTokenizer:
         if len(recent) > self._prefix_cache:
             recent.popitem(last=False)
         return ids[:]  # the caller's own list: the kept one stays as it is
+
+
+class _Scoped:
+    """A BuiltinTokenizer whose prefix reuse is limited to one scope (BuiltinTokenizer.scoped)."""
+
+    __slots__ = ("_tokenizer", "_scope", "name")
+
+    def __init__(self, tokenizer: BuiltinTokenizer, scope: str) -> None:
+        self._tokenizer, self._scope, self.name = tokenizer, scope, tokenizer.name
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode_in(text, self._scope)
 
 
 def _piece_id(piece: str) -> int:
