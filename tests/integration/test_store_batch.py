@@ -12,7 +12,8 @@ from quillcache_core.launch.vllm_engine import free_port
 from quillcache_core.model import CacheTier
 from quillcache_store.client import StoreClient
 from quillcache_store.datapath.batch import BlockBatches
-from tests.support.stores import MIB, SHAPES, Fleet, block_key, kv_payload, run
+from tests.support import stores
+from tests.support.stores import MIB, SHAPES, block_key, kv_payload, run
 from tests.support.tls import tls
 
 pytestmark = pytest.mark.integration
@@ -20,18 +21,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def lone_store(tmp_path):
-    f = Fleet(None, tmp_path)
-    try:
-        yield f.store(
-            "solo",
-            "--max-block-bytes",
-            str(1 * MIB),
-            registry="memory",
-            dram=32 * MIB,
-            ssd=64 * MIB,
-        )
-    finally:
-        f.stop()
+    with stores.lone_store(tmp_path, "--max-block-bytes", str(1 * MIB)) as store:
+        yield store
 
 
 def test_a_batch_of_puts_and_a_batch_get_move_every_block_byte_identical(lone_store):

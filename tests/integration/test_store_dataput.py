@@ -18,8 +18,9 @@ from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.client import StoreClient
 from quillcache_store.datapath import protocol as dataproto
 from quillcache_store.datapath.server import recv_exactly
+from tests.support import stores
 from tests.support.services import wait_until
-from tests.support.stores import MIB, SHAPES, Fleet, block_key, kv_payload, run
+from tests.support.stores import MIB, SHAPES, block_key, kv_payload, run
 from tests.support.tls import client_context, tls
 
 pytestmark = pytest.mark.integration
@@ -28,18 +29,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def lone_store(tmp_path):
     """A store with an in-memory registry: no etcd, no conductor."""
-    f = Fleet(None, tmp_path)
-    try:
-        yield f.store(
-            "solo",
-            "--max-block-bytes",
-            str(4 * MIB),
-            registry="memory",
-            dram=32 * MIB,
-            ssd=64 * MIB,
-        )
-    finally:
-        f.stop()
+    with stores.lone_store(tmp_path, "--max-block-bytes", str(4 * MIB)) as store:
+        yield store
 
 
 def _data_address(proc) -> str:

@@ -22,6 +22,7 @@ from quillcache_core.model import CacheTier
 from quillcache_store import wire
 from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.client import StoreClient
+from tests.support import stores
 from tests.support.etcdctl import put_engine
 from tests.support.services import wait_until
 from tests.support.stores import (
@@ -30,7 +31,6 @@ from tests.support.stores import (
     SHAPES,
     TENANT,
     TOKENIZER,
-    Fleet,
     block_key,
     kv_payload,
     locate,
@@ -44,11 +44,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def lone_store(tmp_path):
     """A store with an in-memory registry: no etcd, no conductor."""
-    f = Fleet(None, tmp_path)
-    try:
-        yield f.store("solo", registry="memory", dram=32 * MIB, ssd=64 * MIB)
-    finally:
-        f.stop()
+    with stores.lone_store(tmp_path) as store:
+        yield store
 
 
 async def _client_call(address: str, fn):

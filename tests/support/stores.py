@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +110,17 @@ class Fleet:
 
     def log_tails(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.log_tail(30)}" for p in self.procs)
+
+
+@contextmanager
+def lone_store(tmp_path: Path, *extra: str) -> Iterator[ServiceProcess]:
+    """A store with an in-memory registry (no etcd, no conductor), 32 MiB of DRAM and 64
+    MiB of SSD, stopped at the end."""
+    fleet = Fleet(None, tmp_path)
+    try:
+        yield fleet.store("solo", *extra, registry="memory", dram=32 * MIB, ssd=64 * MIB)
+    finally:
+        fleet.stop()
 
 
 def locate(conductor: ServiceProcess, key: KvBlockKey) -> list[tuple[str, CacheTier]]:
