@@ -23,6 +23,7 @@ from quillcache_core.security.tls import Tls
 from quillcache_store.blockcodec import payload_checksum
 from quillcache_store.datapath import protocol as dataproto
 from quillcache_store.datapath.conn import DataConnections
+from quillcache_store.datapath.put import read_ack_rest
 from quillcache_store.datapath.server import drain, recv_exactly, send_parts
 
 __all__ = ["BlockBatches"]
@@ -81,13 +82,7 @@ class BlockBatches:
             for checksum, nbytes in sums:
                 if recv_exactly(sock, head) < head.nbytes:
                     raise NodeUnavailable(f"data port {address} closed the connection")
-                ack = dataproto.decode_ack(head)
-                message = ""
-                if ack.message_len:
-                    text = memoryview(bytearray(ack.message_len))
-                    if recv_exactly(sock, text) < ack.message_len:
-                        raise NodeUnavailable(f"data port {address} closed inside an ack")
-                    message = bytes(text).decode("utf-8", "replace")
+                ack, message = read_ack_rest(sock, head, address)
                 if ack.status == dataproto.STATUS_INVALID_ARGUMENT:
                     keep = False  # the store drops the connection after a malformed put
                 if ack.status != dataproto.STATUS_OK:

@@ -111,18 +111,24 @@ class BlockPusher:
             raise _Stale()
         if got < head.nbytes:
             raise NodeUnavailable(f"data port {address} closed the connection inside an ack")
-        ack = dataproto.decode_ack(head)
-        message = ""
-        if ack.message_len:
-            text = memoryview(bytearray(ack.message_len))
-            if recv_exactly(sock, text) < ack.message_len:
-                raise NodeUnavailable(f"data port {address} closed the connection inside an ack")
-            message = bytes(text).decode("utf-8", "replace")
-        return ack, message
+        return read_ack_rest(sock, head, address)
+
+
+def read_ack_rest(sock, head: memoryview, address: str):
+    """The ack whose header is `head` (already received), with its message read from
+    `sock`: (ack, message, "" without one)."""
+    ack = dataproto.decode_ack(head)
+    message = ""
+    if ack.message_len:
+        text = memoryview(bytearray(ack.message_len))
+        if recv_exactly(sock, text) < ack.message_len:
+            raise NodeUnavailable(f"data port {address} closed the connection inside an ack")
+        message = bytes(text).decode("utf-8", "replace")
+    return ack, message
 
 
 class _Stale(Exception):
     """The connection was closed before the ack began (an idle one the store dropped)."""
 
 
-__all__ = ["BlockPusher"]
+__all__ = ["BlockPusher", "read_ack_rest"]
