@@ -220,12 +220,7 @@ class CostPlanner(Policy):
         token_cum = [0]
         for first, length in runs:
             token_cum.append(token_cum[-1] + sum(map(token_count, blocks[first : first + length])))
-        # request.input_tokens(), summing only the blocks after the runs again.
-        input_tokens = request.block_tokens_total
-        if input_tokens < 0:
-            input_tokens = token_cum[-1] + sum(map(token_count, blocks[boundaries[-1] :]))
-        if request.prompt_tokens > input_tokens:
-            input_tokens = request.prompt_tokens
+        input_tokens = request.input_tokens()
         per_token = cm.prefill_us_per_token
         prefill = [float(per_token * (input_tokens - tokens)) for tokens in token_cum]
 
