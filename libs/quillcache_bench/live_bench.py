@@ -91,10 +91,18 @@ from quillcache_core.errors import InvalidArgument
 LOADS = ("light", "heavy")
 TENANTS = [f"tenant-{i}" for i in range(8)]
 QUICK_ITL_SYSTEMS = ("quillcache", SPLIT, "sglang-router-cache_aware")
-# The sim engines' shape for the decode workload, the same for every system (the step
-# is added from --decode-step-ms): 16 KiB KV blocks, which this machine's stores and
-# transfer keep up with when a split moves every prompt (1 MiB ones they do not).
-DECODE_SETTINGS = {"prefill_stalls_decodes": True, "kv_layers": 2, "kv_heads": 2, "head_dim": 64}
+# The sim engines' KV block shape on every workload, the same for every system: 16 KiB
+# blocks (2 layers x K,V x 16 tokens x 2 heads x 64 dims x fp16). On a GPU node a block
+# loads from host DRAM about ten times faster than it prefills (2 MiB at tens of GB/s
+# against 16 tokens at 45 us each); this machine moves 1 MiB blocks through its stores
+# slower than it simulates their prefill, 16 KiB ones about as a GPU node does. The
+# gateway and the conductors are told the same size (--block-bytes), as an operator
+# configures them for the model.
+KV_SHAPE = {"kv_layers": 2, "kv_heads": 2, "head_dim": 64}
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 2
+# The decode workload's timing, the same for every system (the step is added from
+# --decode-step-ms).
+DECODE_SETTINGS = {"prefill_stalls_decodes": True, **KV_SHAPE}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,11 +365,15 @@ def _start_cluster(args, data_dir: Path):
 
     args.conductors = args.conductors or int(up_parser().get_default("conductors"))
 
+    shape = [
+        a for name, value in KV_SHAPE.items() for a in (f"--{name.replace('_', '-')}", str(value))
+    ]
     options = (
-        {i: {"sim_args": ["--plain-http-port", "0"]} for i in range(args.engines)}
+        {i: {"sim_args": ["--plain-http-port", "0", *shape]} for i in range(args.engines)}
         if args.engine == "sim"
         else {}
     )
+    sized = ["--block-bytes", str(BLOCK_BYTES)] if args.engine == "sim" else []
     cluster = LocalCluster(
         data_dir,
         engines=args.engines,
@@ -374,6 +386,7 @@ def _start_cluster(args, data_dir: Path):
         # with vLLM every system, ours included, runs in plaintext.
         insecure=args.engine == "vllm",
         conductors=args.conductors,
+        extra_args={"gateway": sized, "conductor": sized},
         log=lambda *_: None,
     )
     cluster.api_keys = {t: f"qc-{t}-{hashlib.sha256(t.encode()).hexdigest()[:12]}" for t in TENANTS}

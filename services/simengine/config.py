@@ -56,6 +56,12 @@ class SimEngineConfig(TlsSettings):
     head_dim: int = opt(128, "head dimension of the simulated KV tensor")
     store: str = opt("", "host:port of this engine's store node ('' = no offload, no FETCH)")
     store_node_id: str = opt("", "the store node's id (registry record, FETCH source matching)")
+    save_computed: bool = opt(
+        True,
+        "save every newly computed full block to the store node in the background, as the "
+        "QuillCache vLLM connector does (false: offload evicted blocks instead)",
+    )
+    save_queue_blocks: int = opt(8192, "computed blocks waiting to be saved; beyond: dropped")
     offload_queue_blocks: int = opt(256, "evicted blocks waiting for offload; beyond: dropped")
     offload_concurrency: int = opt(4, "concurrent offload puts")
     store_timeout_s: float = opt(10.0, "deadline of one store call (put or get)")
@@ -85,6 +91,7 @@ class SimEngineConfig(TlsSettings):
             "--kv-heads": self.kv_heads,
             "--head-dim": self.head_dim,
             "--offload-queue-blocks": self.offload_queue_blocks,
+            "--save-queue-blocks": self.save_queue_blocks,
             "--offload-concurrency": self.offload_concurrency,
             "--kv-events-buffer": self.kv_events_buffer,
             "--max-body-bytes": self.max_body_bytes,

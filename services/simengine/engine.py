@@ -8,8 +8,9 @@ A request's life (each step on the event loop; nothing here blocks it):
    the rest are recomputed). At least one token is always computed, as in vLLM, so at
    most (tokens - 1) // block_size blocks can be hits or fetches.
 2. `prefill`: wait for the single prefill server, for the tokens not hit or fetched;
-   then cache the request's blocks (evicting LRU blocks, which are offloaded), and
-   publish BlockRemoved / BlockStored in one batch.
+   then cache the request's blocks and publish BlockRemoved / BlockStored in one batch;
+   the computed blocks are saved to the store node in the background (or, with saving
+   off, the evicted LRU blocks are offloaded).
 3. The caller decodes (`scheduler.decode`) and streams the deterministic output.
 4. `release`: unpin the request's blocks.
 """
@@ -256,13 +257,18 @@ class SimEngine:
             events.append(
                 block_removed([b.engine_hash for b in result.evicted], self.publisher.encoding)
             )
-            for block in result.evicted:
-                self.mover.offload(block.key)
+            if not self.mover.save_computed:  # else the pool has them since their prefill
+                for block in result.evicted:
+                    self.mover.offload(block.key)
         for run in stored_runs(result.stored):
             events.append(block_stored(run, bs, self.publisher.encoding))
         if events:
             self.publisher.publish(events)
             self.stats.event_batches += 1
+        if not prepared.write_through:
+            # The blocks computed here go to the pool, as the KV connector saves them.
+            first = prepared.hit_blocks + prepared.fetched_blocks
+            self.mover.save_later(prepared.keys[first : prepared.full_blocks])
         return end
 
     async def _write_through(self, prepared: Prepared, started: asyncio.Event) -> int:

@@ -1,9 +1,15 @@
 """Moving KV blocks between the sim engine and store nodes: offload and FETCH.
 
-Offload: an evicted block's bytes (see `kvbytes`) go to the engine's own store node
-under the block's QuillCache key. It runs in background workers from a bounded queue,
-so serving never waits for it; a full queue drops the block (counted), as an engine
-under memory pressure would.
+Save: with `save_computed` (the default, as the QuillCache vLLM connector does), every
+newly computed full block of a prompt goes to the engine's own store node once its
+prefill is done, one batch per request, in the background from a bounded queue: a
+full queue drops the batch (counted), serving never waits for it. Any engine can then
+FETCH those blocks from the pool instead of recomputing them.
+
+Offload: without `save_computed`, an evicted block's bytes (see `kvbytes`) go to the
+engine's own store node under the block's QuillCache key instead. It runs in background
+workers from a bounded queue, so serving never waits for it; a full queue drops the
+block (counted), as an engine under memory pressure would.
 
 Fetch: a block the plan says to FETCH is read from a store (the engine's own node,
 which may pull it from a peer, or the plan's source address directly) and checked
@@ -82,7 +88,9 @@ class MoverStats:
     fetch_mismatches: int = 0  # bytes arrived but differ from the block's content
     fetched_bytes: int = 0
     stored_through: int = 0  # prompt blocks stored at once for a decode engine
-    batched_puts: int = 0  # of those, blocks put in one data-port batch per request
+    saved: int = 0  # computed blocks saved in the background (save_computed)
+    save_dropped: int = 0  # computed blocks not saved: the save queue was full
+    batched_puts: int = 0  # blocks stored or saved in one data-port batch per request
     batched_fetches: int = 0  # fetched blocks read in one data-port batch per request
 
 
@@ -99,8 +107,11 @@ class BlockMover:
         store_factory: StoreFactory = default_store_factory,
         batches: Callable[[], object] | None = None,
         data_address: Callable[[], Awaitable[str]] | None = None,
+        save_computed: bool = False,
+        save_queue_blocks: int = 8192,
     ) -> None:
         self.own_address = own_address
+        self.save_computed = save_computed
         self.own_node_id = own_node_id
         self.kv_shape = tuple(kv_shape)
         self.timeout_s = timeout_s
@@ -111,6 +122,9 @@ class BlockMover:
         self._fetch_slots = asyncio.Semaphore(FETCH_CONCURRENCY)
         self._storing = 0
         self._queue: asyncio.Queue[KvBlockKey] = asyncio.Queue(maxsize=queue_blocks)
+        self._saves: asyncio.Queue[list[KvBlockKey]] = asyncio.Queue()
+        self._save_limit = save_queue_blocks
+        self._saving = 0  # blocks queued or being saved
         self._concurrency = concurrency
         self._workers: list[asyncio.Task[None]] = []
         self._batch_factory = batches
@@ -125,8 +139,8 @@ class BlockMover:
 
     @property
     def pending(self) -> int:
-        """Evicted blocks queued or being stored right now."""
-        return self._queue.qsize() + self._storing
+        """Evicted or computed blocks queued or being stored right now."""
+        return self._queue.qsize() + self._storing + self._saving
 
     def start(self) -> None:
         if not self.enabled:
@@ -136,6 +150,11 @@ class BlockMover:
             loop.create_task(self._offload_worker(), name=f"offload-{i}")
             for i in range(self._concurrency)
         ]
+        if self.save_computed:
+            # Two batches in flight: one travels while the next one's bytes are made.
+            self._workers += [
+                loop.create_task(self._save_worker(), name=f"save-{i}") for i in range(2)
+            ]
 
     def client(self, address: str) -> StoreLike:
         """The client of a store address (created on first use; the least recently
@@ -221,6 +240,39 @@ class BlockMover:
     async def store_now(self, keys: list[KvBlockKey]) -> int:
         """Store the blocks in the own store node now (a prefill for a decode engine);
         returns how many are stored. Failures are counted, never raised."""
+        stored = await self._put_blocks(keys)
+        self.stats.stored_through += stored
+        return stored
+
+    def save_later(self, keys: list[KvBlockKey]) -> bool:
+        """Queue a prompt's newly computed blocks for a background save to the own store
+        node; False (the blocks counted as dropped) when the queue is full or saving is off."""
+        if not self.enabled or not self.save_computed or not keys:
+            return False
+        if self._saving + len(keys) > self._save_limit:
+            self.stats.save_dropped += len(keys)
+            return False
+        self._saving += len(keys)
+        self._saves.put_nowait(list(keys))
+        return True
+
+    async def _save_worker(self) -> None:
+        while True:
+            keys = await self._saves.get()
+            try:
+                self.stats.saved += await self._put_blocks(keys)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.stats.offload_failures += len(keys)
+                log.exception("save of %d blocks failed", len(keys))
+            finally:
+                self._saving -= len(keys)
+                self._saves.task_done()
+
+    async def _put_blocks(self, keys: list[KvBlockKey]) -> int:
+        """Put the blocks in the own store node (one data-port batch when it can, else
+        one call each); returns how many are stored. Failures are counted, never raised."""
         if not self.enabled or not keys:
             return 0
         address = await self.data_address()
@@ -242,9 +294,7 @@ class BlockMover:
                 self.stats.offloaded_bytes += len(payload)
                 return True
 
-        stored = sum(await asyncio.gather(*(one(key) for key in keys)))
-        self.stats.stored_through += stored
-        return stored
+        return sum(await asyncio.gather(*(one(key) for key in keys)))
 
     async def _store_batch(self, address: str, keys: list[KvBlockKey]) -> int:
         shape, batcher = self.kv_shape, self._batcher()
@@ -260,7 +310,6 @@ class BlockMover:
             first = next(o for o in outcomes if not isinstance(o, CacheTier))
             log.warning("store of %d of %d blocks failed: %s", len(keys) - stored, len(keys), first)
         self.stats.offloaded_bytes += stored * size
-        self.stats.stored_through += stored
         self.stats.batched_puts += stored
         return stored
 
@@ -296,10 +345,11 @@ class BlockMover:
         return bool(self.own_address) and (not source_address or source_node == self.own_node_id)
 
     async def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued offload finished (or `timeout_s` passed)."""
+        """Wait until every queued offload and save finished (or `timeout_s` passed)."""
         try:
             async with asyncio.timeout(timeout_s):
                 await self._queue.join()
+                await self._saves.join()
             return True
         except TimeoutError:
             return False

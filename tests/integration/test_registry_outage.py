@@ -157,6 +157,8 @@ def start_fleet(fleet: Fleet, tmp_path: Path) -> tuple[ServiceProcess, ServicePr
                 "--registry", fleet.etcd.client_url, "--node-id", f"engine-{i}",
                 "--lease-ttl-s", str(TTL_S), "--time-scale", "0", "--hbm-blocks", "8192",
                 "--store", store.grpc_address, "--store-node-id", "store-a",
+                # The residency counted below is the engines' own and the store's puts.
+                "--save-computed", "false",
             ],
             tmp_path,
             f"engine-{i}",

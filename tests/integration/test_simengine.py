@@ -358,7 +358,7 @@ def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
         address = store.grpc_address
         engine = engine_factory(
             "--hbm-blocks", "8", "--store", address, "--store-node-id", "store-a",
-            "--kv-layers", "4", "--node-id", "e2",
+            "--kv-layers", "4", "--node-id", "e2", "--save-computed", "false",
         )  # fmt: skip
         shape = (4, 2, BS, 8, 128)  # --kv-layers 4: 256 KiB per block
         a, b, c = ([seed * 1000 + i for i in range(6 * BS + 1)] for seed in (1, 2, 3))
@@ -413,6 +413,70 @@ def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
                 stats = engine.stats()
                 assert stats["store"]["fetch_mismatches"] == 0
                 assert stats["store"]["fetched"] >= 6
+
+        run(scenario())
+
+
+@pytest.mark.skipif(not STORE_AVAILABLE, reason="services/store has no service entry point yet")
+def test_computed_blocks_are_saved_and_another_engine_fetches_them(engine_factory, tmp_path: Path):
+    """The default: as the KV connector does, a prompt's computed blocks go to the store
+    node after its prefill, with nothing evicted; a second engine then loads them."""
+    from quillcache_store.client import StoreClient
+
+    store = ServiceProcess(
+        "store",
+        ["--data-dir", str(tmp_path / "store"), "--registry", "memory", "--node-id", "store-a",
+         "--peer-fetch", "false"],
+        tmp_path,
+    )  # fmt: skip
+    with store.start(timeout_s=20.0):
+        address = store.grpc_address
+        common = ("--store", address, "--store-node-id", "store-a", "--kv-layers", "2")
+        first_engine = engine_factory(*common, "--node-id", "e1", "--seed", "11", name="sim-e1")
+        second_engine = engine_factory(*common, "--node-id", "e2", "--seed", "22", name="sim-e2")
+        shape = (2, 2, BS, 8, 128)
+        prompt = [7000 + i for i in range(6 * BS + 3)]
+        keys = gateway_keys(prompt, None)
+
+        async def scenario() -> None:
+            async with gateway_session() as session:
+
+                async def complete(engine, plan=None):
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+                    if plan is not None:
+                        body["kv_transfer_params"] = {"quillcache": plan.to_json()}
+                    async with session.post(engine.http + "/v1/completions", json=body) as reply:
+                        assert reply.status == 200, await reply.text()
+                        return reply.headers, await reply.json()
+
+                headers, first = await complete(first_engine)
+                assert headers["x-sim-recomputed-blocks"] == "6"
+                await until(lambda: first_engine.stats()["store"]["saved"] >= 6, "saves", 15.0)
+                stats = first_engine.stats()
+                assert stats["store"]["offloaded"] == 0, "nothing was evicted"
+                assert stats["store"]["save_dropped"] == 0
+                client = StoreClient(address, timeout_s=5.0, tls=tls("engine"))
+                try:
+                    assert all(await client.exists(keys))
+                    data, _tier = await client.get(keys[5])
+                    assert data == kv_payload(keys[5].block_hash, shape), "real, exact bytes"
+                finally:
+                    await client.close()
+
+                plan = EnginePlan(
+                    reservation_id="r2", engine_id="e2", model_id=MODEL,
+                    tokenizer_id=TOKENIZER, tenant_id="default", block_size=BS,
+                    recompute_blocks=0,
+                    fetch=tuple(FetchAction(i, k.block_hash, "store-a", address, "cpu_dram")
+                                for i, k in enumerate(keys)),
+                )  # fmt: skip
+                headers, body = await complete(second_engine, plan)
+                assert headers["x-sim-fetched-blocks"] == "6"
+                assert headers["x-sim-recomputed-blocks"] == "0"
+                assert body["choices"][0]["text"] == first["choices"][0]["text"]
+                # What the second engine loaded from the pool is not saved again.
+                await asyncio.sleep(0.3)
+                assert second_engine.stats()["store"]["saved"] == 0
 
         run(scenario())
 
