@@ -3,9 +3,10 @@
 A request's life (each step on the event loop; nothing here blocks it):
 
 1. `prepare`: hash the prompt's full blocks (engine hashes for the cache, QuillCache
-   hashes for store keys), pin the longest cached prefix (local hits), then fetch the
-   blocks the plan lists right after it (a contiguous run; the first failure ends it,
-   the rest are recomputed). At least one token is always computed, as in vLLM, so at
+   hashes for store keys), pin the longest cached prefix (local hits; blocks a prefill
+   booked earlier is computing count too, as vLLM looks the cache up at scheduling
+   time), then fetch the blocks the plan lists right after it (a contiguous run; the
+   first failure ends it, the rest are recomputed). At least one token is always computed, as in vLLM, so at
    most (tokens - 1) // block_size blocks can be hits or fetches.
 2. `prefill`: wait for the single prefill server, for the tokens not hit or fetched;
    then cache the request's blocks and publish BlockRemoved / BlockStored in one batch;
@@ -116,6 +117,8 @@ class SimEngine:
         self.seed = seed if seed is not None else os.urandom(32)
         self.role = role
         self.stats = EngineStats()
+        # engine hash -> prefills booked that will cache it (a count: two may overlap)
+        self._pending: dict[int, int] = {}
 
     # --- 1. plan ------------------------------------------------------------------------
 
@@ -146,7 +149,13 @@ class SimEngine:
         hashes = [wire_hash(d) for d in engine_digests(self.seed, tokens, bs, cache_salt)]
         keys = self.block_keys(tokens, cache_salt, plan)
         usable = (len(tokens) - 1) // bs  # at least one token is always computed
-        hits = self.cache.lookup(hashes[:usable])
+        cached = self.cache.lookup(hashes[:usable])
+        # vLLM looks the prefix cache up when it schedules a request, not when it arrives:
+        # blocks an earlier request's prefill, booked ahead of this one on the single
+        # prefill server, is computing are cached by this one's turn.
+        hits, pending = cached, self._pending
+        while hits < usable and hashes[hits] in pending:
+            hits += 1
         prepared = Prepared(
             tokens=tokens,
             cache_salt=cache_salt,
@@ -156,7 +165,7 @@ class SimEngine:
             fetched_blocks=0,
             fetch_fallback_blocks=0,
             generation=self.cache.generation,
-            pinned=self.cache.acquire(hashes[:hits]),
+            pinned=self.cache.acquire(hashes[:cached]),
             write_through=self.role == "prefill" or (plan is not None and plan.disagg == "prefill"),
         )
         try:
@@ -226,12 +235,22 @@ class SimEngine:
             # waiting for the last (wait_for_save).
             started = asyncio.Event()
             saving = asyncio.ensure_future(self._write_through(prepared, started))
+        # Booked now: a later request's lookup counts on these blocks (see `prepare`).
+        computing = prepared.hashes[prepared.hit_blocks :]
+        pending = self._pending
+        for engine_hash in computing:
+            pending[engine_hash] = pending.get(engine_hash, 0) + 1
         try:
             end = await self.scheduler.prefill(compute, started if saving else None)
         except BaseException:
             if saving is not None:
                 saving.cancel()
             raise
+        finally:
+            for engine_hash in computing:
+                left = pending.pop(engine_hash) - 1
+                if left:
+                    pending[engine_hash] = left
         self._account(prepared, compute)
         if saving is not None:
             self.stats.written_through_blocks += await saving

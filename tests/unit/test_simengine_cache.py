@@ -574,3 +574,40 @@ def test_concurrent_prefills_finish_one_after_another():
         assert ends == pytest.approx([0.02, 0.04, 0.06], abs=0.01)
 
     run(scenario())
+
+
+def test_a_request_queued_behind_the_same_prompt_hits_what_that_prefill_computes():
+    """vLLM looks its prefix cache up when it schedules a request: one that waits behind
+    a prefill of the same prompt finds those blocks computed by its turn."""
+
+    async def scenario():
+        rig = Rig()
+        rig.engine.scheduler = Scheduler(
+            prefill_us_per_token=200, decode_us_per_token=0, time_scale=1.0
+        )
+        a = prompt(1, 4)
+        first = await rig.engine.prepare(a, None, None)
+        running = asyncio.ensure_future(rig.engine.prefill(first))
+        await asyncio.sleep(0)  # the first prefill is booked, not done
+        second = await rig.engine.prepare(a, None, None)
+        other = await rig.engine.prepare(prompt(2, 4), None, None)
+        assert (first.hit_blocks, second.hit_blocks, other.hit_blocks) == (0, 4, 0)
+        assert second.compute_tokens(BS) == 1 and second.pinned == []
+        await running
+        await rig.engine.prefill(second)
+        await rig.engine.prefill(other)
+        for prepared in (first, second, other):
+            rig.engine.release(prepared)
+        assert rig.engine._pending == {}
+        # A prefill that fails to finish (cancelled) leaves nothing pending either.
+        third = await rig.engine.prepare(prompt(3, 4), None, None)
+        task = asyncio.ensure_future(rig.engine.prefill(third))
+        await asyncio.sleep(0)
+        assert rig.engine._pending
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        rig.engine.release(third)
+        assert rig.engine._pending == {}
+
+    run(scenario())
