@@ -495,7 +495,9 @@ class Gateway:
         for _attempt in range(self.config.upstream_retries + 1):
             plan = await self._plan(call, excluded)
             if plan.disagg == "split" and plan.prefill_engine_id and not is_fallback(plan):
-                plan = await self.disagg.split(self, call, plan, path)  # disagg.py
+                plan, answer = await self.disagg.split(self, call, plan, path)  # disagg.py
+                if answer is not None:  # under way: its first token was the prefill's
+                    return plan, answer
             sent = time.perf_counter()
             try:
                 body = upstream_body(job.raw, job.payload, call.ident, self._plan_json(plan, call))

@@ -6,6 +6,12 @@ decode pace. The final chunk (or the response) carries a `quillcache` object wit
 the same numbers the headers give, and `usage.prompt_tokens_details.cached_tokens`
 counts hit and fetched tokens.
 
+A split's continuation (the gateway's plan has `continues`: its prompt is the client's
+prompt and the first output tokens, sampled on the prefill engine) streams the rest of
+the output the whole request would have had, so a split answer equals a colocated one.
+`return_token_ids` (vLLM's) gives the prompt's and the output's token ids in a whole
+answer, as vLLM does.
+
 Fault flags (request headers, as in the SGLang router's tests): `x-sim-status: 503`
 answers with that status at once; `x-sim-fail-after-tokens: N` resets the connection
 after N output tokens (a stream then never sees [DONE]).
@@ -156,10 +162,12 @@ class CompletionRoutes:
             headers["x-sim-recomputed-blocks"] = str(report["recomputed_blocks"])
         return headers
 
-    async def _tokens(self, item: Prepared, max_tokens: int) -> AsyncIterator[str]:
+    async def _tokens(
+        self, item: Prepared, max_tokens: int, continues: tuple[int, int] | None
+    ) -> AsyncIterator[str]:
         """Prefill, then the output pieces at decode pace."""
         end = await self.engine.prefill(item)
-        pieces = generate(item.tokens, max_tokens)
+        pieces = _output(item.tokens, max_tokens, continues)
         # aclosing: an abandoned stream stops counting as running at once, not at GC.
         async with contextlib.aclosing(self.scheduler.decode(len(pieces), end)) as steps:
             async for i in steps:
@@ -184,7 +192,9 @@ class CompletionRoutes:
         sent = 0
         for item in prepared:
             pieces = []
-            async with contextlib.aclosing(self._tokens(item, parsed.max_tokens)) as tokens:
+            continues = parsed.continues if not texts else None  # the plan's prompt
+            output = self._tokens(item, parsed.max_tokens, continues)
+            async with contextlib.aclosing(output) as tokens:
                 async for piece in tokens:
                     if fail_after is not None and sent >= fail_after:
                         raise _Aborted(_reset_connection(request))
@@ -198,6 +208,13 @@ class CompletionRoutes:
             body = chat_response(id_, created, parsed.model, texts[0], FINISH_REASON)
         else:
             body = completion_response(id_, created, parsed.model, texts, FINISH_REASON)
+        if parsed.return_token_ids:
+            for item, text, choice in zip(prepared, texts, body["choices"], strict=True):
+                choice["token_ids"] = self.tokenizer.encode(text)
+                if not parsed.chat:
+                    choice["prompt_token_ids"] = list(item.tokens)
+            if parsed.chat:
+                body["prompt_token_ids"] = list(prepared[0].tokens)
         body["usage"] = self._usage(prepared, parsed, report)
         body["quillcache"] = report
         return web.json_response(body, headers=headers)
@@ -227,7 +244,9 @@ class CompletionRoutes:
 
         for index, item in enumerate(prepared):
             first = True
-            async with contextlib.aclosing(self._tokens(item, parsed.max_tokens)) as tokens:
+            continues = parsed.continues if index == 0 else None  # the plan's prompt
+            output = self._tokens(item, parsed.max_tokens, continues)
+            async with contextlib.aclosing(output) as tokens:
                 async for piece in tokens:
                     if fail_after is not None and sent >= fail_after:
                         raise _Aborted(_reset_connection(request, response))
@@ -257,6 +276,15 @@ class CompletionRoutes:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _output(tokens: tuple[int, ...], max_tokens: int, continues: tuple[int, int] | None):
+    """The output pieces of a prompt; a continuation's are the rest of its whole
+    request's (the first `k` pieces were the prefill engine's)."""
+    if continues is None:
+        return generate(tokens, max_tokens)
+    prompt, done = continues
+    return generate(tokens[:prompt], done + max_tokens)[done:]
 
 
 class _Aborted(Exception):

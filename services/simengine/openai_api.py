@@ -66,6 +66,10 @@ class ParsedRequest:
     include_usage: bool
     cache_salt: str | None
     plan: EnginePlan | None
+    return_token_ids: bool = False  # vLLM's: the answer gives prompt and output token ids
+    # A split's continuation (the gateway's plan says): (p, k) = the prompt's first p ids
+    # are the client's prompt, the rest its first k output tokens, sampled elsewhere.
+    continues: tuple[int, int] | None = None
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -120,11 +124,15 @@ def parse_request(
             prompts = prompt_tokens(body["prompt"], tokenizer)
     except InvalidArgument as exc:
         raise _bad(str(exc), "messages" if chat else "prompt") from None
+    params = body.get("kv_transfer_params")
+    plan = _plan(params)
+    continues = _continues(params, prompts) if plan is not None else None
     max_tokens = _opt_int(body, "max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens")
     if max_tokens is None:
-        max_tokens = default_max_tokens
+        # A continuation's default budget counts the output tokens it continues from.
+        max_tokens = max(1, default_max_tokens - (continues[1] if continues else 0))
     if max_tokens < 1:
         raise _bad(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     n = _opt_int(body, "n")
@@ -158,8 +166,32 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         cache_salt=salt,
-        plan=_plan(body.get("kv_transfer_params")),
+        plan=plan,
+        return_token_ids=_opt_bool(body, "return_token_ids"),
+        continues=continues,
     )
+
+
+def _continues(params: Mapping, prompts: list) -> tuple[int, int] | None:
+    """The plan's `continues` ({"prompt_tokens": p, "output_tokens": k}), checked against
+    the (first) prompt: p ids of prompt, then at least one id of output."""
+    raw = params[PLAN_FIELD].get("continues")  # a plan is an object (EnginePlan checked)
+    if raw is None:
+        return None
+    where = f"kv_transfer_params.{PLAN_FIELD}.continues"
+    if not isinstance(raw, Mapping):
+        raise _bad(f"{where} must be an object", "kv_transfer_params")
+    prompt, output = raw.get("prompt_tokens"), raw.get("output_tokens")
+    for name, value in (("prompt_tokens", prompt), ("output_tokens", output)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _bad(f"{where}.{name} must be a positive integer", "kv_transfer_params")
+    if prompt >= len(prompts[0]):
+        raise _bad(
+            f"{where}.prompt_tokens ({prompt}) leaves no output token in the prompt "
+            f"({len(prompts[0])} tokens)",
+            "kv_transfer_params",
+        )
+    return prompt, output
 
 
 def _plan(params: Any) -> EnginePlan | None:

@@ -1,8 +1,10 @@
 """Deterministic output: what the sim engine "generates" for a prompt.
 
-The text depends only on the prompt's token ids and max_tokens, never on what the
-cache held, so an answer computed over reused KV equals the one over recomputed KV.
-Every output token is one word (with a leading space after the first).
+The text depends only on the prompt's token ids, never on what the cache held, so an
+answer computed over reused KV equals the one over recomputed KV; `max_tokens` only
+cuts it, as a model's budget does (a shorter answer is the longer one's beginning: the
+first token a one-token prefill samples is a whole answer's first token). Every output
+token is one word (with a leading space after the first).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ WORDS = (
 
 
 def generate(prompt_tokens: Sequence[int], max_tokens: int) -> list[str]:
-    """`max_tokens` text pieces (one per output token), a pure function of the inputs."""
-    h = blake2b(b"quillcache/sim-engine/output/v1", digest_size=32)
-    h.update(max_tokens.to_bytes(8, "little"))
+    """`max_tokens` text pieces (one per output token), a pure function of the inputs:
+    the first `max_tokens` of the prompt's one sequence."""
+    h = blake2b(b"quillcache/sim-engine/output/v2", digest_size=32)
     h.update(array("Q", prompt_tokens).tobytes())
     state = h.digest()
     pieces: list[str] = []
