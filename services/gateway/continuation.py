@@ -217,6 +217,9 @@ def merged_usage(first: FirstToken, usage: Mapping) -> dict:
     return merged
 
 
+_PLAIN_KEYS = frozenset(("id", "object", "created", "model", "choices", "usage"))
+
+
 def _sse(event: dict) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
@@ -241,6 +244,11 @@ class StreamShaper:
             "model": body.get("model", ""),
         }
         self._buffer = b""
+        # A plain token's event, the stream's bulk, is written from these two halves
+        # around its text (the same bytes as `_chunk`'s, without building a dict).
+        plain = _sse(self._chunk("\0", None))
+        text_at = plain.index(b'"\\u0000"')
+        self._plain = (plain[:text_at], plain[text_at + len(b'"\\u0000"') :])
 
     def _chunk(self, text: str | None, finish_reason: str | None, **extra) -> dict:
         choices = []
@@ -299,6 +307,19 @@ class StreamShaper:
             return raw + b"\n\n"
         if not isinstance(event, dict):
             return raw + b"\n\n"
+        choices = event.get("choices")
+        if len(event) <= 6 and event.get("usage") is None and len(choices or ()) == 1:
+            choice = choices[0]
+            if (
+                isinstance(choice, dict)
+                and choice.get("text")
+                and choice.get("finish_reason") is None
+                and choice.get("stop_reason") is None
+                and not choice.get("logprobs")
+                and _PLAIN_KEYS.issuperset(event)
+            ):
+                head, tail = self._plain
+                return head + json.dumps(choice["text"]).encode() + tail
         extra = {
             k: v
             for k, v in event.items()
@@ -307,9 +328,8 @@ class StreamShaper:
         usage = event.get("usage")
         if isinstance(usage, Mapping):
             extra["usage"] = merged_usage(self.first, usage)
-        choices = event.get("choices") or []
         out = self._chunk(None, None, **extra)
-        for choice in choices:
+        for choice in choices or ():
             if not isinstance(choice, dict):
                 continue
             shaped = self._chunk(choice.get("text") or "", choice.get("finish_reason"))
