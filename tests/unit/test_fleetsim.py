@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from quillcache_bench.fleetsim.command import DEFAULT_WRITE_THROUGH, bench_policy, policy_fleet
 from quillcache_bench.fleetsim.figures import check_goals, summarise
 from quillcache_bench.fleetsim.oracle import OraclePolicy
-from quillcache_bench.fleetsim.sim import FleetConfig, FleetSim, HbmCache
+from quillcache_bench.fleetsim.sim import FleetConfig, FleetSim, HbmCache, StoreWrites
 from quillcache_bench.fleetsim.workloads import (
     MODEL_ID,
     TOKENIZER_ID,
@@ -28,6 +31,7 @@ TINY = FleetConfig(
 )
 N = 60
 POLICIES = (*POLICY_NAMES, "oracle")
+WRITE_THROUGH = frozenset(DEFAULT_WRITE_THROUGH.split(","))
 
 
 def _policy(name: str):
@@ -35,6 +39,8 @@ def _policy(name: str):
 
 
 def _run(workload: str, policy: str, rate_x: float = 0.5, seed: int = 3, config=TINY, n=N):
+    """One run on the fleet the bench gives the policy (ours and the oracle write through)."""
+    config = policy_fleet(config, policy, WRITE_THROUGH)
     wl = make_workload(workload, n, seed)
     rate = rate_x * wl.saturation_rate(config.engines, config.cost_model)
     sim = FleetSim(config, _policy(policy), wl.requests, wl.arrivals_us(rate, seed), seed=seed)
@@ -109,6 +115,9 @@ def test_tiers_are_exercised(runs):
     # Not a speed-up claim: only that eviction, offload and fetch paths ran.
     assert sum(int(run.fetch_tokens.sum()) for _, run in runs.values()) > 0
     assert any(node.ssd for sim, _ in runs.values() for node in sim.stores.values())
+    # Write-through ran for the policies that have it, and only for them.
+    for (_, policy), (_, run) in runs.items():
+        assert (run.written_through > 0) == (policy in WRITE_THROUGH), policy
 
 
 def test_same_seed_same_figures():
@@ -183,23 +192,121 @@ def _request(seq: int, tenant: str, tokens: list[int], output: int = 1) -> SimRe
     return SimRequest(seq, tenant, "g", shape, output)
 
 
-@pytest.mark.parametrize("policy", ["quillcache", "dynamo", "llm-d", "sglang"])
-def test_a_local_hit_evicted_before_execution_is_recomputed(policy):
+def _stale_hit_run(policy: str, config: FleetConfig):
     prefix = list(range(1, 65))  # 4 blocks
     requests = [
         _request(0, "a", prefix),  # done at 64 x 45 = 2,880 µs; its 4 blocks stay cached
         _request(1, "b", list(range(1000, 1064))),  # prefill 5,000..7,880 evicts them
         _request(2, "a", prefix + list(range(2000, 2015))),  # planned at 6,000: 4 hits
     ]
-    config = FleetConfig(engines=1, stores=1, domains=1, hbm_blocks=4)
     sim = FleetSim(config, make_policy(policy, CostModel()), requests, [0.0, 5000.0, 6000.0])
-    run = sim.run()
+    return sim.run()
+
+
+@pytest.mark.parametrize("policy", ["quillcache", "dynamo", "llm-d", "sglang"])
+def test_a_local_hit_evicted_before_execution_is_recomputed_when_no_store_holds_it(policy):
+    config = FleetConfig(engines=1, stores=1, domains=1, hbm_blocks=4, dram_bytes=0, ssd_bytes=0)
+    run = _stale_hit_run(policy, config)
     assert run.planned_hit_blocks[2] == 4
     assert run.hit_tokens[2] == 0 and run.fetch_tokens[2] == 0
     assert run.recompute_tokens[2] == 79
-    assert run.stale_hits == 1
+    assert run.stale_hits == 1 and run.unplanned_fetches == 0
     assert run.first_token_us[2] == pytest.approx(7880 + 79 * 45)
     assert run.completed == 3
+
+
+@pytest.mark.parametrize("policy", ["quillcache", "dynamo", "llm-d", "sglang", "round-robin"])
+def test_a_local_hit_evicted_before_execution_is_loaded_from_the_own_store_node(policy):
+    # The evicted blocks were offloaded to the engine's store node; its connector finds
+    # them there whatever the plan said (every policy alike).
+    config = FleetConfig(engines=1, stores=1, domains=1, hbm_blocks=4)
+    run = _stale_hit_run(policy, config)
+    assert run.planned_hit_blocks[2] == 4
+    assert run.hit_tokens[2] == 0 and run.fetch_tokens[2] == 64
+    assert run.recompute_tokens[2] == 15
+    assert run.stale_hits == 4 and run.unplanned_fetches == 4
+    fetch_us = 4 * CostModel().cpu_dram_us_per_mb * 2  # 2 MiB blocks (the workloads' size)
+    assert run.first_token_us[2] == pytest.approx(7880 + fetch_us + 15 * 45)
+
+
+# --- write-through ----------------------------------------------------------------------
+
+PREFIX = list(range(1, 1025))  # 64 blocks: 64 x 16 x 45 = 46,080 µs to compute
+
+
+def _two_engines(store_writes: StoreWrites, **config) -> FleetConfig:
+    return FleetConfig(
+        engines=2, stores=1, domains=1, hbm_blocks=512, store_writes=store_writes, **config
+    )
+
+
+@pytest.mark.parametrize("store_writes", list(StoreWrites))
+def test_write_through_lets_a_second_engine_fetch_what_the_first_computed(store_writes):
+    # Round robin sends the prompt to e000, then the same prefix to e001 after e000's
+    # first token: e000 still holds the blocks in HBM (nothing evicted them), so only
+    # write-through has put them on the store node both engines share.
+    requests = [_request(0, "a", PREFIX), _request(1, "a", PREFIX + list(range(5000, 5020)))]
+    sim = FleetSim(
+        _two_engines(store_writes),
+        make_policy("round-robin", CostModel()),
+        requests,
+        [0.0, 60_000.0],
+    )
+    run = sim.run()
+    assert list(run.engine_of) == [0, 1]
+    if store_writes is StoreWrites.WRITE_THROUGH:
+        assert run.planned_fetch_blocks[1] == 64
+        assert run.fetch_tokens[1] == 1024 and run.recompute_tokens[1] == 20
+        assert run.written_through == 64 + 1  # the first prompt's, then the second's new block
+        assert run.first_token_us[1] == pytest.approx(60_000 + 64 * 110 + 20 * 45)
+    else:
+        assert run.fetch_tokens[1] == 0 and run.recompute_tokens[1] == 1044
+        assert run.written_through == 0
+    assert run.write_drops == 0
+
+
+def test_our_planner_spreads_to_an_idle_engine_that_fetches_the_written_blocks():
+    # The prefix's holder is busy with a long extension of it; with write-through the
+    # next request goes to the idle engine and fetches the prefix instead of waiting
+    # (or recomputing it, which is all the idle engine could do without write-through).
+    requests = [
+        _request(0, "a", PREFIX),
+        _request(1, "a", PREFIX + list(range(5000, 8200))),  # 3,200 more tokens on the holder
+        _request(2, "a", PREFIX + list(range(9000, 9020))),
+    ]
+    arrivals = [0.0, 50_000.0, 60_000.0]
+    results = {}
+    for mode in StoreWrites:
+        # As the bench runs ours: queue priced at prefill speed, the virtual clock.
+        policy = bench_policy("quillcache", CostModel())
+        sim = FleetSim(_two_engines(mode), policy, requests, arrivals)
+        results[mode] = sim.run()
+    run = results[StoreWrites.WRITE_THROUGH]
+    holder = run.engine_of[0]
+    assert run.engine_of[1] == holder and run.engine_of[2] != holder
+    assert run.fetch_tokens[2] == 1024 and run.recompute_tokens[2] == 20
+    before = results[StoreWrites.ON_EVICTION]
+    assert before.fetch_tokens[2] == 0
+    assert run.first_token_us[2] < before.first_token_us[2]
+
+
+def test_a_full_write_queue_drops_and_counts_blocks_and_never_delays_the_prefill():
+    slow = dataclasses.replace(CostModel(), cpu_dram_us_per_mb=1_000)  # 2 ms a block
+    nbytes = 16 * 128 * 1024  # the test requests' block size: 2 MiB
+    runs = {}
+    for slots in (2, 1_000):
+        config = _two_engines(
+            StoreWrites.WRITE_THROUGH, cost_model=slow, write_queue_bytes=slots * nbytes
+        )
+        sim = FleetSim(config, make_policy("round-robin", slow), [_request(0, "a", PREFIX)], [0.0])
+        runs[slots] = (sim, sim.run())
+    sim, bounded = runs[2]
+    assert bounded.write_drops > 0
+    assert bounded.written_through + bounded.write_drops == 64
+    assert len(sim.stores["s00"].dram) == bounded.written_through
+    _, unbounded = runs[1_000]
+    assert unbounded.write_drops == 0 and unbounded.written_through == 64
+    assert bounded.first_token_us[0] == unbounded.first_token_us[0] == 64 * 16 * 45
 
 
 def test_hbm_frees_tail_blocks_first_and_never_evicts_pinned_blocks():

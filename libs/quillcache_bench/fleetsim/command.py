@@ -15,6 +15,7 @@ gateway (see `fleetsim.live`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import multiprocessing
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 from quillcache_bench.common import Progress, render_table, write_results
 from quillcache_bench.fleetsim.figures import OURS, check_goals, summarise
 from quillcache_bench.fleetsim.oracle import OraclePolicy
-from quillcache_bench.fleetsim.sim import GIB, FleetConfig, FleetSim
+from quillcache_bench.fleetsim.sim import GIB, FleetConfig, FleetSim, StoreWrites
 from quillcache_bench.fleetsim.workloads import (
     KV_BYTES_PER_TOKEN,
     WORKLOAD_NAMES,
@@ -40,6 +41,10 @@ from quillcache_core.routing.references import POLICY_NAMES, make_policy
 DEFAULT_RATES = "0.1,0.25,0.5,0.75,1.0,1.25"
 # Every router of the library, plus the oracle (perfect information; simulator only).
 BENCH_POLICIES = (*POLICY_NAMES, "oracle")
+# The systems whose engines write every computed block through to their store node:
+# ours (QuillCache's KV connector does) and the oracle (the limit of routing over the
+# same pool as ours). The references' engines offload on eviction only, as before.
+DEFAULT_WRITE_THROUGH = "quillcache,oracle"
 
 MODELLING_NOTES = [
     "Saturation (1.0x) = engines / (min prefill tokens per request x prefill_us_per_token), "
@@ -52,6 +57,13 @@ MODELLING_NOTES = [
     "decode_slowdown_divisor) per other running decode on the engine.",
     "HBM: blocks of running requests are pinned; free cached blocks evict LRU (tail "
     "blocks first) to the engine's store node DRAM, DRAM to SSD, SSD drops.",
+    "Write-through (the --write-through policies' engines, as QuillCache's KV connector "
+    "does): every block a prefill computes is queued as it is computed and written to the "
+    "engine's store node DRAM by one writer per engine at the DRAM price per block; it "
+    "reaches the store, and the index, when written; a block computed while the queue "
+    "holds write_queue_bytes (256 MiB, the connector's default) is dropped and counted. "
+    "Every engine, whatever the policy, can use its own store node's blocks (a FETCH its "
+    "plan names); only ours and the oracle plan fetches from peer store nodes.",
     "Only prompt blocks become resident (not generated tokens); the plan's wall-clock "
     "is measured but not added to the simulated TTFT.",
     "Load: the router's in-flight count per engine (queued included), averaged over the "
@@ -98,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workloads", default=",".join(WORKLOAD_NAMES), help="comma-separated workloads"
     )
     work.add_argument("--policies", default=",".join(BENCH_POLICIES), help="comma-separated")
+    work.add_argument(
+        "--write-through",
+        default=DEFAULT_WRITE_THROUGH,
+        help="policies whose engines write every computed block through to their store "
+        "node (comma-separated; 'none' for none); the others offload on eviction only",
+    )
     work.add_argument("--requests", type=int, default=1500, help="requests per run")
     work.add_argument(
         "--rates", default=DEFAULT_RATES, help="request rates as multiples of saturation"
@@ -141,6 +159,19 @@ def _rates(text: str) -> list[float]:
     if not rates or any(r <= 0 for r in rates):
         raise InvalidArgument("--rates: give positive multiples of saturation, e.g. 0.5,1.0")
     return sorted(set(rates))
+
+
+def policy_fleet(config: FleetConfig, policy: str, write_through: frozenset[str]) -> FleetConfig:
+    """The fleet one policy runs on: `config`, with write-through if the policy has it."""
+    if policy in write_through:
+        return dataclasses.replace(config, store_writes=StoreWrites.WRITE_THROUGH)
+    return config
+
+
+def _write_through(text: str) -> frozenset[str]:
+    if text.strip() == "none":
+        return frozenset()
+    return frozenset(_names(text, BENCH_POLICIES, "--write-through"))
 
 
 def fleet_config(args: argparse.Namespace) -> FleetConfig:
@@ -198,6 +229,7 @@ def _simulate(args: argparse.Namespace) -> int:
     config = fleet_config(args)
     workloads = _names(args.workloads, WORKLOAD_NAMES, "--workloads")
     policies = _names(args.policies, BENCH_POLICIES, "--policies")
+    write_through = _write_through(args.write_through)
     rates = _rates(args.rates)
     if args.requests <= 0:
         raise InvalidArgument("--requests must be positive")
@@ -226,7 +258,7 @@ def _simulate(args: argparse.Namespace) -> int:
                         m,
                         m * saturation,
                         policy,
-                        config,
+                        policy_fleet(config, policy, write_through),
                         args.requests,
                         args.seed,
                         args.block_size,
@@ -240,7 +272,8 @@ def _simulate(args: argparse.Namespace) -> int:
         f"fleet: {config.engines} engines, {config.stores} store nodes in {config.domains} "
         f"domains, HBM {config.hbm_blocks} blocks x {args.block_size} tokens per engine, "
         f"DRAM {args.dram_gib:g} GiB + SSD {args.ssd_gib:g} GiB per store node; "
-        f"{args.requests} requests per run, {len(tasks)} runs, {args.jobs} jobs",
+        f"{args.requests} requests per run, {len(tasks)} runs, {args.jobs} jobs; "
+        f"write-through: {', '.join(sorted(write_through & set(policies))) or 'none'}",
         file=sys.stderr,
     )
 
@@ -340,6 +373,8 @@ def _report(args, config, info, results, workloads, policies, rates, duration) -
             "dram_bytes": config.dram_bytes,
             "ssd_bytes": config.ssd_bytes,
             "decode_slowdown_divisor": config.decode_slowdown_divisor,
+            "write_through": sorted(_write_through(args.write_through) & set(policies)),
+            "write_queue_bytes": config.write_queue_bytes,
             "cost_model": {
                 k: getattr(config.cost_model, k) for k in config.cost_model.__dataclass_fields__
             },
@@ -402,6 +437,9 @@ def _markdown(
         f"{config.stores} store nodes ({config.domains} locality domains), "
         f"{args.requests} requests per run, seed {args.seed}, TTFT SLO {args.slo_ms:g} ms; "
         f"ran in {duration:.0f} s. Rates are multiples of the perfect-cache saturation rate. "
+        "Engines that write every computed block through to their store node: "
+        f"{', '.join(sorted(_write_through(args.write_through) & set(policies))) or 'none'}"
+        " (the others' reach it when evicted). "
         f"Full figures: `{json_name}`.",
         "",
         "![mean TTFT and goodput vs request rate](fleet-latest.png)",

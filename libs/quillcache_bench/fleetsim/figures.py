@@ -65,7 +65,10 @@ def summarise(run: RunResult, slo_ms: float) -> dict[str, float | int]:
         "stale_hit_blocks": int(run.stale_hits),
         "stale_fetch_blocks": int(run.stale_fetches),
         "unplanned_hit_blocks": int(run.unplanned_hits),
+        "unplanned_fetch_blocks": int(run.unplanned_fetches),
         "hbm_overcommits": int(run.overcommits),
+        "written_through_blocks": int(run.written_through),
+        "write_through_drops": int(run.write_drops),
     }
 
 

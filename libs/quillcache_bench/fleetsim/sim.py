@@ -18,12 +18,26 @@ Each engine:
   unpinned cached blocks wait in LRU order and are evicted from the front, a finished
   request's blocks freed tail first (vLLM's free-block queue). An evicted block is
   offloaded to the engine's store node.
+- **Write-through** (`StoreWrites.WRITE_THROUGH`, QuillCache's KV connector: its
+  `_add_saves`/`wait_for_save` hand every newly computed full block to a bounded
+  background writer to the engine's store node, which drops and counts rather than
+  block): each block the prefill computes is queued as it is computed (the prefill
+  computes its blocks in order at prefill_us_per_token after its hits and fetches),
+  one writer per engine writes them in order at the store's DRAM price per block
+  (the same bandwidth a DRAM fetch is priced at), and a block reaches the store node's
+  DRAM, and the index, when its write ends. A block computed while
+  `write_queue_bytes` are queued is dropped (counted in `write_drops`); it still
+  reaches the store if it is evicted later. The prefill never waits for the writer.
+  With `StoreWrites.ON_EVICTION` (the default) blocks reach the store only when evicted.
 - **Prefill**: one at a time in arrival order. At its start the engine executes the
   plan: blocks in HBM now are hits (also where the plan said otherwise, as vLLM's own
   prefix cache would find them); a FETCH block is loaded if its source node holds it
   now (on any tier; priced by the CostModel for that tier, plus the cross-domain
-  penalty); the first block that is neither (a stale LOCAL_HIT or FETCH, or a
-  RECOMPUTE) ends the reused prefix, and it and every later token are recomputed.
+  penalty); any other block (a stale LOCAL_HIT or FETCH, or a RECOMPUTE) is loaded
+  from the engine's own store node if that holds it now (vLLM's KV connectors, ours
+  and LMCache alike, look there when they schedule a request; every engine, whatever
+  the policy; counted in `unplanned_fetches`); the first block that is none of these
+  ends the reused prefix, and it and every later token are recomputed.
   Prefill time = fetch time + hits x hbm_hit_us + recomputed tokens x
   prefill_us_per_token. At its end (the first token) the request's blocks become
   resident and pinned, and the index learns of every residency change at once, as
@@ -40,15 +54,17 @@ place in its tier's LRU.
 
 from __future__ import annotations
 
+import enum
 import heapq
 import random
 import time
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from quillcache_bench.fleetsim.caches import HbmCache, StoreNode
 from quillcache_bench.fleetsim.workloads import SimRequest
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.index import MemoryIndex
@@ -68,6 +84,20 @@ _SSD = CacheTier.LOCAL_SSD
 _LOCAL_HIT = ActionKind.LOCAL_HIT
 _FETCH = ActionKind.FETCH
 _EPS_TOKENS = 1e-6
+# Written-through blocks land in the store (and the index) in runs of at most this many.
+WRITE_LANDING_BLOCKS = 16
+
+# Event kinds, in the event heap.
+_PREFILL_DONE = 0
+_DECODE_TICK = 1
+_WRITES_LANDED = 2
+
+
+class StoreWrites(enum.Enum):
+    """When an engine's computed blocks reach its store node."""
+
+    ON_EVICTION = "on-eviction"  # only when evicted from HBM (offload)
+    WRITE_THROUGH = "write-through"  # also as computed (QuillCache's KV connector)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +112,9 @@ class FleetConfig:
     ssd_bytes: int = 128 * GIB
     decode_slowdown_divisor: float = 100.0
     cost_model: CostModel = field(default_factory=CostModel)
+    store_writes: StoreWrites = StoreWrites.ON_EVICTION
+    # The write-through queue's bound per engine: the connector's max_pending_bytes default.
+    write_queue_bytes: int = 256 * MIB
 
     def validate(self) -> None:
         """Raise InvalidArgument naming the offending setting."""
@@ -102,130 +135,8 @@ class FleetConfig:
             raise InvalidArgument("store tier budgets must be >= 0")
         if self.decode_slowdown_divisor <= 0:
             raise InvalidArgument("--decode-slowdown-divisor must be positive")
-
-
-class HbmCache:
-    """An engine's cached blocks: reference counts, and the unpinned ones in LRU order."""
-
-    __slots__ = ("capacity", "refs", "free", "pinned", "overcommits")
-
-    def __init__(self, capacity_blocks: int) -> None:
-        self.capacity = capacity_blocks
-        self.refs: dict[str, int] = {}  # block hash -> running requests using it
-        self.free: OrderedDict[str, object] = OrderedDict()  # refs == 0, LRU first
-        self.pinned = 0
-        self.overcommits = 0
-
-    def __contains__(self, block_hash: str) -> bool:
-        return block_hash in self.refs
-
-    def __len__(self) -> int:
-        return len(self.refs)
-
-    def admit(self, keys: Sequence) -> tuple[list, list]:
-        """Pin `keys` (inserting missing ones); evict LRU unpinned blocks over capacity.
-
-        Returns (inserted keys, evicted keys). When every block is pinned the cache
-        runs over capacity (counted in `overcommits`) rather than fail a request.
-        """
-        refs, free = self.refs, self.free
-        inserted = []
-        for key in keys:
-            h = key.block_hash
-            r = refs.get(h)
-            if r is None:
-                refs[h] = 1
-                self.pinned += 1
-                inserted.append(key)
-            else:
-                if r == 0:
-                    del free[h]
-                    self.pinned += 1
-                refs[h] = r + 1
-        evicted = []
-        while len(refs) > self.capacity and free:
-            h, key = free.popitem(last=False)
-            del refs[h]
-            evicted.append(key)
-        if len(refs) > self.capacity:
-            self.overcommits += 1
-        return inserted, evicted
-
-    def release(self, keys: Sequence) -> list:
-        """Unpin `keys`; freed blocks join the LRU tail last block first (evicted first).
-
-        Returns the blocks evicted because the cache had run over capacity.
-        """
-        refs, free = self.refs, self.free
-        for key in reversed(keys):
-            h = key.block_hash
-            r = refs[h] - 1
-            refs[h] = r
-            if r == 0:
-                free[h] = key
-                self.pinned -= 1
-        evicted = []
-        while len(refs) > self.capacity and free:
-            h, key = free.popitem(last=False)
-            del refs[h]
-            evicted.append(key)
-        return evicted
-
-
-class StoreNode:
-    """A store node's DRAM and SSD tiers (block budgets, LRU); reports changes to the index."""
-
-    __slots__ = ("id", "domain", "dram", "ssd", "dram_blocks", "ssd_blocks", "index", "nbytes")
-
-    def __init__(
-        self, node_id: str, domain: str, dram_blocks: int, ssd_blocks: int, index, nbytes: int
-    ) -> None:
-        self.id = node_id
-        self.domain = domain
-        self.dram: OrderedDict[str, object] = OrderedDict()
-        self.ssd: OrderedDict[str, object] = OrderedDict()
-        self.dram_blocks = dram_blocks
-        self.ssd_blocks = ssd_blocks
-        self.index = index
-        self.nbytes = nbytes
-
-    def tier_of(self, block_hash: str) -> CacheTier | None:
-        if block_hash in self.dram:
-            return _DRAM
-        if block_hash in self.ssd:
-            return _SSD
-        return None
-
-    def touch(self, block_hash: str) -> None:
-        if block_hash in self.dram:
-            self.dram.move_to_end(block_hash)
-        elif block_hash in self.ssd:
-            self.ssd.move_to_end(block_hash)
-
-    def offload(self, key) -> None:
-        """Write an evicted HBM block to DRAM, demoting DRAM's coldest to SSD."""
-        h = key.block_hash
-        dram = self.dram
-        if h in dram:
-            dram.move_to_end(h)
-            return
-        dram[h] = key
-        self.index.put(CacheResidency(key, self.id, _DRAM, self.nbytes))
-        while len(dram) > self.dram_blocks:
-            old_h, old = dram.popitem(last=False)
-            self.index.remove_tier(self.id, old_h, _DRAM)
-            self._to_ssd(old_h, old)
-
-    def _to_ssd(self, h: str, key) -> None:
-        ssd = self.ssd
-        if h in ssd:
-            ssd.move_to_end(h)
-            return
-        ssd[h] = key
-        self.index.put(CacheResidency(key, self.id, _SSD, self.nbytes))
-        while len(ssd) > self.ssd_blocks:
-            old_h, _ = ssd.popitem(last=False)
-            self.index.remove_tier(self.id, old_h, _SSD)
+        if self.write_queue_bytes < 0:
+            raise InvalidArgument("the write-through queue bound must be >= 0 bytes")
 
 
 class _Engine:
@@ -244,6 +155,8 @@ class _Engine:
         "load_t",
         "served",
         "busy_until",
+        "writes",
+        "write_free",
     )
 
     def __init__(self, n: int, state: WorkerState, store: StoreNode, hbm: HbmCache) -> None:
@@ -261,6 +174,8 @@ class _Engine:
         self.load_t = 0.0
         self.served = 0
         self.busy_until = 0.0  # when the prefill in progress ends
+        self.writes: deque[float] = deque()  # write-through: queued blocks' write ends
+        self.write_free = 0.0  # when the writer finishes what is queued
 
 
 @dataclass
@@ -291,6 +206,9 @@ class RunResult:
     fetch_us_total: float
     overcommits: int
     leftover_load: dict[str, int]
+    unplanned_fetches: int = 0  # blocks loaded from the engine's own store node unplanned
+    written_through: int = 0  # blocks the write-through put in a store node
+    write_drops: int = 0  # computed blocks the full write-through queue dropped
 
 
 class FleetSim:
@@ -327,6 +245,11 @@ class FleetSim:
         self.index = MemoryIndex()
         mb = max(1, -(-self.nbytes // MIB))
         self._fetch_base_us = {t: self.cm.tier_us_per_mb(t) * mb for t in (_DRAM, _SSD)}
+        self._write_through = config.store_writes is StoreWrites.WRITE_THROUGH
+        self._write_us = float(self._fetch_base_us[_DRAM])
+        self._write_slots = config.write_queue_bytes // self.nbytes
+        self._landing: dict[int, tuple[_Engine, list]] = {}  # writes in flight, by event
+        self._landing_next = 0
         self.stores: dict[str, StoreNode] = {}
         for j in range(config.stores):
             node_id = f"s{j:02d}"
@@ -387,7 +310,10 @@ class FleetSim:
         self.stale_hits = 0
         self.stale_fetches = 0
         self.unplanned_hits = 0
+        self.unplanned_fetches = 0
         self.fetch_us_total = 0.0
+        self.written_through = 0
+        self.write_drops = 0
 
     # --- the event loop ---------------------------------------------------------------
 
@@ -402,8 +328,10 @@ class FleetSim:
                 nxt += 1
                 continue
             now, _, kind, a, b = heapq.heappop(events)
-            if kind == 0:
+            if kind == _PREFILL_DONE:
                 self._prefill_done(self.engines[a], b, now)
+            elif kind == _WRITES_LANDED:
+                self._writes_landed(b)
             elif self.engines[a].version == b:
                 self._decode_tick(self.engines[a], now)
         return self._result()
@@ -457,19 +385,26 @@ class FleetSim:
             del eng.queue[: head + 1]
             self._queue_head[eng.n] = 0
         eng.busy = True
-        eng.busy_until = now + self._execute(eng, i)
+        prefill_us, reused, compute_from_us = self._execute(eng, i)
+        eng.busy_until = now + prefill_us
+        if self._write_through:
+            self._write_computed(eng, self.requests[i].shape.blocks[reused:], now + compute_from_us)
         if self.hooks is not None:
             self.hooks.observe_prefill_start(self.requests[i].shape.id, eng.state.id)
-        self._push(eng.busy_until, 0, eng.n, i)
+        self._push(eng.busy_until, _PREFILL_DONE, eng.n, i)
 
-    def _execute(self, eng: _Engine, i: int) -> float:
-        """Run request i's plan against the fleet as it is now; returns the prefill µs."""
+    def _execute(self, eng: _Engine, i: int) -> tuple[float, int, float]:
+        """Run request i's plan against the fleet as it is now.
+
+        Returns the prefill µs, how many leading blocks were reused (hit or fetched),
+        and when (µs from the prefill's start) the engine starts computing the rest.
+        """
         request = self.requests[i]
         actions = self._actions[i]
         self._actions[i] = None
         hbm = eng.hbm.refs
         cm = self.cm
-        hit_tokens = fetch_tokens = hits = 0
+        hit_tokens = fetch_tokens = hits = fetches = 0
         fetch_us = 0.0
         for action, key in zip(actions, request.shape.blocks, strict=True):
             h = key.block_hash
@@ -480,27 +415,81 @@ class FleetSim:
                     self.unplanned_hits += 1
                 continue
             kind = action.kind
+            node = tier = None
             if kind is _FETCH:
                 node = self.stores.get(action.source_node)
                 tier = node.tier_of(h) if node is not None else None
-                if tier is not None:
-                    cost = self._fetch_base_us[tier]
-                    if node is not eng.store and node.domain != eng.store.domain:
-                        cost += cm.cross_domain_penalty_us
-                    fetch_us += cost
-                    node.touch(h)
-                    fetch_tokens += key.token_count
-                    continue
-                self.stale_fetches += 1
+                if tier is None:
+                    self.stale_fetches += 1
             elif kind is _LOCAL_HIT:
                 self.stale_hits += 1
-            break
+            if tier is None:
+                # Not where the plan said (or the plan said recompute): the engine's
+                # connector still finds what its own store node holds, as vLLM's KV
+                # connectors look there when they schedule the request.
+                node = eng.store
+                tier = node.tier_of(h)
+                if tier is None:
+                    break
+                self.unplanned_fetches += 1
+            cost = self._fetch_base_us[tier]
+            if node is not eng.store and node.domain != eng.store.domain:
+                cost += cm.cross_domain_penalty_us
+            fetch_us += cost
+            node.touch(h)
+            fetch_tokens += key.token_count
+            fetches += 1
         recompute = request.prompt_tokens - hit_tokens - fetch_tokens
         self.hit_tokens[i] = hit_tokens
         self.fetch_tokens[i] = fetch_tokens
         self.recompute_tokens[i] = recompute
         self.fetch_us_total += fetch_us
-        return recompute * cm.prefill_us_per_token + fetch_us + hits * cm.hbm_hit_us
+        reuse_us = fetch_us + hits * cm.hbm_hit_us
+        return recompute * cm.prefill_us_per_token + reuse_us, hits + fetches, reuse_us
+
+    # --- write-through ------------------------------------------------------------------
+
+    def _write_computed(self, eng: _Engine, keys: Sequence, compute_start: float) -> None:
+        """Queue the blocks a prefill computes, each when computed; schedule their landing.
+
+        The writer is FIFO at `_write_us` per block; the queue holds at most
+        `_write_slots` blocks (a block computed while it is full is dropped).
+        """
+        per_token = self.cm.prefill_us_per_token
+        writes, slots, write_us = eng.writes, self._write_slots, self._write_us
+        t = compute_start
+        run: list = []
+        end = 0.0
+        for key in keys:
+            t += key.token_count * per_token  # the block is computed now
+            while writes and writes[0] <= t:
+                writes.popleft()
+            if len(writes) >= slots:
+                self.write_drops += 1
+                continue
+            end = (t if t > eng.write_free else eng.write_free) + write_us
+            eng.write_free = end
+            writes.append(end)
+            run.append(key)
+            if len(run) == WRITE_LANDING_BLOCKS:
+                self._land_at(eng, run, end)
+                run = []
+        if run:
+            self._land_at(eng, run, end)
+
+    def _land_at(self, eng: _Engine, keys: list, at_us: float) -> None:
+        n = self._landing_next
+        self._landing_next = n + 1
+        self._landing[n] = (eng, keys)
+        self._push(at_us, _WRITES_LANDED, eng.n, n)
+
+    def _writes_landed(self, n: int) -> None:
+        """Written-through blocks reach the engine's store node (DRAM) and the index."""
+        eng, keys = self._landing.pop(n)
+        store = eng.store
+        for key in keys:
+            store.offload(key)
+        self.written_through += len(keys)
 
     def _prefill_done(self, eng: _Engine, i: int, now: float) -> None:
         self.first_token_us[i] = now
@@ -637,4 +626,7 @@ class FleetSim:
             fetch_us_total=self.fetch_us_total,
             overcommits=sum(e.hbm.overcommits for e in self.engines),
             leftover_load=leftover,
+            unplanned_fetches=self.unplanned_fetches,
+            written_through=self.written_through,
+            write_drops=self.write_drops,
         )
