@@ -272,6 +272,26 @@ def test_with_a_clock_the_queue_drains_at_prefill_speed_and_never_exceeds_the_ob
     assert {c.engine_id: c.queue_us for c in [decision.chosen, *decision.others]}["e0"] == 4500
 
 
+def test_with_a_clock_a_plans_own_work_counts_though_a_release_hides_the_rise():
+    # Between two plans one request's reservation is released (its first token) and
+    # the first plan's added: the observed queue falls, yet the new work is there.
+    clock = _Clock()
+    planner = CostPlanner(CM.queue_at_prefill_speed(), clock=clock)
+    req = make_request(4, decode_tokens=0)
+    e0 = engine("e0", queued_prefill_tokens=100)  # 4.5 ms ahead
+    e1 = engine("e1", queued_prefill_tokens=2000)
+    fleet = Fleet([e0, e1], {})
+    first = planner.plan(req, [], fleet, random.Random(0))
+    assert first.engine.id == "e0"
+    tokens = first.recompute_tokens(req)
+    e0.queued_prefill_tokens += tokens  # the caller reserves what the plan computes
+    clock.now_us = 4_500.0  # the earlier request's prefill is done: released
+    e0.queued_prefill_tokens -= 100
+    second = planner.plan(req, [], fleet, random.Random(0))
+    queue = {c.engine_id: c.queue_us for c in [second.chosen, *second.others]}
+    assert queue["e0"] == pytest.approx(tokens * 45)
+
+
 def test_with_a_clock_a_busy_fleet_keeps_a_prefix_on_its_only_holder():
     req = make_request(40, decode_tokens=0)  # 640 tokens: 28.8 ms to recompute
     usable = usable_from(req, resident(req, "e0", CacheTier.HBM))
