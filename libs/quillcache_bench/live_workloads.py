@@ -78,6 +78,7 @@ class Sample:
     itl_s: list[float] = field(default_factory=list)  # inter-token gaps (decode workload)
     prefill_ms: float = 0.0  # a split's prefill call, as QuillCache's gateway timed it
     disagg: str = ""  # QuillCache's x-quillcache-disagg answer, up to its first ';' (or fallback)
+    plan: dict[str, str] = field(default_factory=dict)  # QuillCache's x-quillcache-* headers
 
 
 def _words(rng: random.Random, low: int, high: int, scale: float = 1.0) -> str:
@@ -263,6 +264,9 @@ async def _one(http, target: Target, session: Session, messages, turn: Turn) -> 
         ) as reply:
             with contextlib.suppress(ValueError):
                 sample.prefill_ms = float(reply.headers.get("x-quillcache-prefill-ms", 0) or 0)
+            sample.plan = {
+                k[13:]: v for k, v in reply.headers.items() if k.lower().startswith("x-quillcache-")
+            }
             disagg = reply.headers.get("x-quillcache-disagg", "")
             sample.disagg = "fallback" if "fallback" in disagg else disagg.split(";", 1)[0]
             if reply.status != 200:

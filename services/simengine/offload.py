@@ -18,12 +18,12 @@ wrong bytes, timeout) is reported as False: the engine recomputes that block ins
 
 Clients are created on first use, one per address, and live until `close`.
 
-Batches: with a `batches` factory and the own store node's block-data address (from
-`data_address`, resolved through the registry), a prefill's write-through (`store_now`)
-and a request's FETCH of blocks on the own node (`fetch_many`) are each one exchange
-with the store's data port for all the request's blocks (`datapath.batch`), instead of
-one gRPC call per block. Blocks a batch does not return (e.g. held only by a peer
-node) are fetched one by one as before.
+Batches: with a `batches` factory and the store nodes' block-data addresses (from
+`data_address`, resolved through the registry), a prefill's write-through (`store_now`),
+a save, and a request's FETCH of each run of blocks from one store node (`fetch_many`:
+the own node's, or a peer's read directly) are each one exchange with that store's
+data port (`datapath.batch`), instead of one gRPC call per block. Blocks a batch does
+not return are fetched one by one as before (the own node pulls them from a peer).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -92,6 +93,8 @@ class MoverStats:
     save_dropped: int = 0  # computed blocks not saved: the save queue was full
     batched_puts: int = 0  # blocks stored or saved in one data-port batch per request
     batched_fetches: int = 0  # fetched blocks read in one data-port batch per request
+    fetch_requests: int = 0  # requests that fetched (planned FETCH actions)
+    fetch_seconds: float = 0.0  # their fetches' wall time, summed
 
 
 class BlockMover:
@@ -106,7 +109,7 @@ class BlockMover:
         concurrency: int,
         store_factory: StoreFactory = default_store_factory,
         batches: Callable[[], object] | None = None,
-        data_address: Callable[[], Awaitable[str]] | None = None,
+        data_address: Callable[[str], Awaitable[str]] | None = None,
         save_computed: bool = False,
         save_queue_blocks: int = 8192,
     ) -> None:
@@ -130,8 +133,8 @@ class BlockMover:
         self._batch_factory = batches
         self._batches = None  # a datapath.batch.BlockBatches, made on first use
         self._resolve_data_address = data_address
-        self._data_address = ""
-        self._data_address_tried = -1e9
+        self._data_addresses: dict[str, str] = {}  # store node id -> its data port
+        self._data_address_tried: dict[str, float] = {}
 
     @property
     def enabled(self) -> bool:
@@ -215,22 +218,27 @@ class BlockMover:
         self.stats.offloaded_bytes += len(payload)
         log.debug("offloaded block %s (%d bytes) to %s", key.block_hash, len(payload), tier)
 
-    async def data_address(self) -> str:
-        """The own store node's block-data address ('' when batches are off or it is
-        not known; looked up again at most every 5 s)."""
-        if self._data_address or self._batch_factory is None or not self.enabled:
-            return self._data_address
+    async def data_address(self, node_id: str = "") -> str:
+        """The block-data address of store node `node_id` (default: the own one); ''
+        when batches are off or it is not known (looked up again at most every 5 s)."""
+        node = node_id or self.own_node_id
+        known = self._data_addresses.get(node, "")
+        if known or self._batch_factory is None or not self.enabled:
+            return known
         if self._resolve_data_address is None:
             return ""
         now = asyncio.get_running_loop().time()
-        if now - self._data_address_tried < 5.0:
+        if now - self._data_address_tried.get(node, -1e9) < 5.0:
             return ""
-        self._data_address_tried = now
+        self._data_address_tried[node] = now
         try:
-            self._data_address = await self._resolve_data_address()
+            known = await self._resolve_data_address(node)
         except (QuillCacheError, OSError, TimeoutError) as exc:
-            log.info("own store's data address not resolved: %s", exc)
-        return self._data_address
+            log.info("data address of store %s not resolved: %s", node, exc)
+            return ""
+        if known:
+            self._data_addresses[node] = known
+        return known
 
     def _batcher(self):
         if self._batches is None:
@@ -314,32 +322,54 @@ class BlockMover:
         return stored
 
     async def fetch_many(self, wanted: Sequence[tuple[KvBlockKey, str, str]]) -> list[bool]:
-        """`fetch` for each (key, source node, source address), in order: the leading
-        ones on the own node in one batch when it can, the rest (and any the batch
-        missed) one by one, concurrently."""
-        own = 0
-        while own < len(wanted) and self._is_own(wanted[own][1], wanted[own][2]):
-            own += 1
-        address = await self.data_address() if own else ""
+        """`fetch` for each (key, source node, source address), in order: each run of
+        blocks from one store node in one batch from its data port when it can (the own
+        node's, or a peer's read directly), from the first block a batch lacks on (or
+        with no data port known) one by one, concurrently."""
+        began = time.perf_counter()
+        try:
+            return await self._fetch_many(wanted)
+        finally:
+            self.stats.fetch_requests += 1
+            self.stats.fetch_seconds += time.perf_counter() - began
+
+    async def _fetch_many(self, wanted: Sequence[tuple[KvBlockKey, str, str]]) -> list[bool]:
         results: list[bool] = []
-        if address:
-            shape, batcher = self.kv_shape, self._batcher()
-            keys = [w[0] for w in wanted[:own]]
-            # The bytes to check them against are made while they travel.
-            got, expected = await asyncio.gather(
-                asyncio.to_thread(batcher.get_many, address, keys),
-                asyncio.to_thread(lambda: [kv_payload(k.block_hash, shape) for k in keys]),
-            )
-            found = [data is not None and data == e for data, e in zip(got, expected, strict=True)]
-            # The leading run the batch returned; from a gap on, one by one (a peer may
-            # hold them: the own node pulls them for a single get).
-            while len(results) < len(found) and found[len(results)]:
-                results.append(True)
-            self.stats.fetched += len(results)
-            self.stats.batched_fetches += len(results)
-            self.stats.fetched_bytes += len(results) * payload_size(shape)
+        sources = [self.own_node_id if self._is_own(n, a) else n for _k, n, a in wanted]
+        start = 0
+        while start < len(wanted):
+            node = sources[start]
+            end = start
+            while end < len(wanted) and sources[end] == node:
+                end += 1
+            address = await self.data_address(node) if node else ""
+            if not address:
+                break
+            got = await self._fetch_batch(address, [w[0] for w in wanted[start:end]])
+            results += [True] * got
+            if got < end - start:
+                break
+            start = end
         rest = await asyncio.gather(*(self.fetch(*w) for w in wanted[len(results) :]))
         return results + list(rest)
+
+    async def _fetch_batch(self, address: str, keys: list[KvBlockKey]) -> int:
+        """Read the blocks in one batch and check their bytes; how many lead intact."""
+        shape, batcher = self.kv_shape, self._batcher()
+        # The bytes to check them against are made while they travel.
+        got, expected = await asyncio.gather(
+            asyncio.to_thread(batcher.get_many, address, keys),
+            asyncio.to_thread(lambda: [kv_payload(k.block_hash, shape) for k in keys]),
+        )
+        leading = 0
+        for data, want in zip(got, expected, strict=True):
+            if data is None or data != want:
+                break
+            leading += 1
+        self.stats.fetched += leading
+        self.stats.batched_fetches += leading
+        self.stats.fetched_bytes += leading * payload_size(shape)
+        return leading
 
     def _is_own(self, source_node: str, source_address: str) -> bool:
         return bool(self.own_address) and (not source_address or source_node == self.own_node_id)

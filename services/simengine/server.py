@@ -249,12 +249,12 @@ class SimEngineServer:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
-    async def _store_data_address(self) -> str:
-        """The own store node's block-data address, from its registry record."""
-        if self.registry is None or not self.config.store_node_id:
+    async def _store_data_address(self, node_id: str) -> str:
+        """A store node's block-data address, from its registry record."""
+        if self.registry is None or not node_id:
             return ""
         for record in await self.registry.list("store"):
-            if record.id == self.config.store_node_id:
+            if record.id == node_id:
                 return record_data_address(record)
         return ""
 

@@ -611,3 +611,49 @@ def test_a_request_queued_behind_the_same_prompt_hits_what_that_prefill_computes
         assert rig.engine._pending == {}
 
     run(scenario())
+
+
+class FakeBatches:
+    """`datapath.batch.BlockBatches`' get_many over per-address dicts; records calls."""
+
+    def __init__(self, nodes: dict[str, dict[KvBlockKey, bytes]]) -> None:
+        self.nodes = nodes
+        self.calls: list[tuple[str, int]] = []
+
+    def get_many(self, address, keys):
+        self.calls.append((address, len(keys)))
+        held = self.nodes.get(address, {})
+        return [held.get(key) for key in keys]
+
+    def close(self):
+        pass
+
+
+def test_fetch_reads_each_source_nodes_run_in_one_batch_then_one_by_one_from_a_gap():
+    keys = [KvBlockKey(MODEL, TOKENIZER, None, "acme", "p", f"{i:032x}", i, BS) for i in range(6)]
+    payloads = {k: kv_payload(k.block_hash, SHAPE) for k in keys}
+    own = {k: payloads[k] for k in keys[:3]}
+    peer = {k: payloads[k] for k in keys[3:5]}  # the peer lacks the last block
+    batches = FakeBatches({"own-data:1": own, "peer-data:2": peer})
+    fallback = FakeStore()
+    fallback.blocks[keys[5]] = payloads[keys[5]]
+    resolved = {"store-a": "own-data:1", "store-b": "peer-data:2"}
+
+    async def resolve(node_id):
+        return resolved[node_id]
+
+    async def scenario():
+        mover = BlockMover(
+            own_address="own:1", own_node_id="store-a", kv_shape=SHAPE, timeout_s=5.0,
+            queue_blocks=8, concurrency=1, store_factory=lambda _a, _t: fallback,
+            batches=lambda: batches, data_address=resolve,
+        )  # fmt: skip
+        wanted = [(k, "store-a", "own:1") for k in keys[:3]]
+        wanted += [(k, "store-b", "peer:2") for k in keys[3:]]
+        assert await mover.fetch_many(wanted) == [True] * 6
+        assert batches.calls == [("own-data:1", 3), ("peer-data:2", 3)]
+        assert fallback.gets == [(keys[5], False)]  # read from the peer's own address
+        assert (mover.stats.batched_fetches, mover.stats.fetched) == (5, 6)
+        assert mover.stats.fetch_requests == 1 and mover.stats.fetch_seconds > 0
+
+    run(scenario())
