@@ -2,9 +2,11 @@
 
 engine-0 is registered as `prefill`, engine-1 as `decode`, each on its own store node.
 Through the gateway, a request is prefilled on engine-0 (its connector writes the prompt's
-KV to store-0 before the prefill call answers), prefetched into store-1 by the transfer
-service, and decoded by engine-1, whose connector loads it instead of recomputing. The
-greedy output equals a colocated run of the same request on one engine, token for token.
+KV to store-0 before the prefill call answers; its first token is the client's first
+token), prefetched into store-1 by the transfer service, and continued by engine-1 (a
+completions call over the prompt's ids and the first token's), whose connector loads the
+prompt's KV instead of recomputing it. The greedy output equals a colocated run of the
+same request on one engine, token for token, and so does its first streamed token.
 """
 
 from __future__ import annotations
@@ -58,14 +60,18 @@ def body(kind: str, content: str, stream: bool) -> dict:
     return {**common, "prompt": content}
 
 
-def through_gateway(endpoints, path: str, payload: dict) -> tuple[dict, str, dict]:
-    """(headers, output text, usage) of one request through the gateway as acme."""
+def through_gateway(
+    endpoints, path: str, payload: dict, extra: dict | None = None
+) -> tuple[dict, str, dict, list[str]]:
+    """(headers, output text, usage, streamed pieces) of one request through the gateway
+    as acme."""
     request = urllib.request.Request(
         endpoints["gateway_url"] + path,
         data=json.dumps(payload).encode(),
         headers={
             "Authorization": f"Bearer {endpoints['api_keys']['acme']}",
             "Content-Type": "application/json",
+            **(extra or {}),
         },
     )
     context: ssl.SSLContext | None = tenant_context(endpoints)
@@ -73,7 +79,7 @@ def through_gateway(endpoints, path: str, payload: dict) -> tuple[dict, str, dic
         headers, raw = dict(reply.headers), reply.read()
     if not payload["stream"]:
         answer = json.loads(raw)
-        return headers, output_of(answer["choices"][0]), answer["usage"]
+        return headers, output_of(answer["choices"][0]), answer["usage"], []
     pieces, usage = [], {}
     assert raw.rstrip().endswith(b"data: [DONE]")
     for line in raw.decode().splitlines():
@@ -84,7 +90,7 @@ def through_gateway(endpoints, path: str, payload: dict) -> tuple[dict, str, dic
             usage = event["usage"]
         for choice in event.get("choices") or []:
             pieces.append(output_of(choice))
-    return headers, "".join(pieces), usage
+    return headers, "".join(pieces), usage, [p for p in pieces if p]
 
 
 def output_of(choice: dict) -> str:
@@ -114,7 +120,7 @@ def test_a_split_request_decodes_from_the_pool_and_equals_a_colocated_run(
     reference = post(cluster, endpoints["engines"][0] + path, body(kind, prompt, False))
     expected = output_of(reference["choices"][0])
     loaded = connector(endpoints, "engine-1", "blocks_loaded")
-    headers, got, usage = through_gateway(endpoints, path, body(kind, prompt, stream))
+    headers, got, usage, pieces = through_gateway(endpoints, path, body(kind, prompt, stream))
     blocks = usage["prompt_tokens"] // ENGINE_BLOCK  # whole vLLM blocks, its last token aside
     loaded_now = connector(endpoints, "engine-1", "blocks_loaded") - loaded
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -128,7 +134,16 @@ def test_a_split_request_decodes_from_the_pool_and_equals_a_colocated_run(
     assert headers["x-quillcache-disagg"].startswith("split; decode-only engine")
     assert headers["x-quillcache-prefill-engine"] == "engine-0"
     assert headers["x-quillcache-engine"] == headers["x-quillcache-decode-engine"] == "engine-1"
+    assert headers["x-quillcache-first-token"] == "prefill"  # engine-1 continued from it
     assert got == expected  # token for token
+    # one answer, counted as the colocated run's (the first token is output, not prompt)
+    reference_usage = reference["usage"]
+    assert usage["prompt_tokens"] == reference_usage["prompt_tokens"]
+    assert usage["completion_tokens"] == reference_usage["completion_tokens"]
+    if stream:  # the first streamed token (the prefill's) is a colocated stream's first
+        colocated = {"x-quillcache-disagg": "colocated"}
+        _, _, _, alone = through_gateway(endpoints, path, body(kind, prompt, stream), colocated)
+        assert pieces[0] == alone[0] and "".join(alone) == expected
     # engine-1 loaded the prompt's KV (16-token store blocks) instead of computing it
     assert loaded_now >= 2 * (blocks - 1)
     assert cached >= ENGINE_BLOCK * (blocks - 1)
