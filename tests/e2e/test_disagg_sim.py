@@ -262,6 +262,26 @@ def test_a_bad_disagg_header_is_a_client_error(cluster):
     assert json.loads(body)["error"]["param"] == "x-quillcache-disagg"
 
 
+def test_a_decode_engine_that_fails_the_continuation_leaves_it_to_the_prefill_engine(cluster):
+    lc, endpoints = cluster
+    body = completion(PROMPT + " (decode engine down)", max_tokens=20)
+    decode = next(c for c in lc.children if c.name == "engine-1")
+    decode.paused = True
+    decode.proc.send_signal(signal.SIGKILL)  # its record stays until its lease expires
+    decode.proc.wait(10)
+    try:
+        status, headers, raw = post(endpoints, "/v1/completions", body)
+    finally:
+        lc.restart("engine-1")
+    assert status == 200, raw
+    assert headers["x-quillcache-first-token"] == "prefill"
+    assert headers["x-quillcache-disagg"].startswith("colocated; fallback: decode engine engine-1")
+    assert headers["x-quillcache-engine"] == "engine-0"
+    _, _, colocated = post(endpoints, "/v1/completions", body, {"x-quillcache-disagg": "colocated"})
+    assert json.loads(raw)["choices"][0]["text"] == json.loads(colocated)["choices"][0]["text"]
+    assert counts(json.loads(raw)["usage"]) == counts(json.loads(colocated)["usage"])
+
+
 def test_a_failed_transfer_or_prefill_falls_back_to_colocated(cluster):
     lc, endpoints = cluster
     transfer = next(c for c in lc.children if c.name == "transfer")
