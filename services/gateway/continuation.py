@@ -106,6 +106,7 @@ class FirstToken:
     """The prefill call's answer, read: its first output token and what it counted."""
 
     body: dict  # the prefill engine's answer (chat or completions shape), as it came
+    chat: bool  # the client asked for a chat completion
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
@@ -117,22 +118,22 @@ class FirstToken:
     def choice(self) -> dict:
         return self.body["choices"][0]
 
-    def ends_answer(self, payload: Mapping, chat: bool) -> bool:
+    def ends_answer(self, payload: Mapping) -> bool:
         """Whether the first token is the whole answer (an end of sequence, a stop token,
         or a budget of one token)."""
         if self.finish_reason not in (None, "length"):
             return True
-        budget = budget_of(payload, chat)
+        budget = budget_of(payload, chat=self.chat)
         return budget is not None and budget <= self.completion_tokens
 
 
-def budget_of(payload: Mapping, chat: bool) -> int | None:
+def budget_of(payload: Mapping, *, chat: bool) -> int | None:
     """The client's output budget, None when it left it to the engine."""
     budget = _int_or_none(payload.get("max_completion_tokens")) if chat else None
     return budget if budget is not None else _int_or_none(payload.get("max_tokens"))
 
 
-def read_first_token(data: bytes, chat: bool) -> FirstToken | None:
+def read_first_token(data: bytes, *, chat: bool) -> FirstToken | None:
     """The prefill call's answer, or None when it lacks what a continuation needs (the
     engine did not give token ids: it cannot be continued)."""
     try:
@@ -151,7 +152,7 @@ def read_first_token(data: bytes, chat: bool) -> FirstToken | None:
     if prompt_tokens is None or completion is None:
         return None
     return FirstToken(
-        body, text, ids, prompt_ids, choice.get("finish_reason"), prompt_tokens, completion
+        body, chat, text, ids, prompt_ids, choice.get("finish_reason"), prompt_tokens, completion
     )
 
 
@@ -161,16 +162,14 @@ def _ids(value: Any) -> bool:
     )
 
 
-def continuation_body(
-    payload: Mapping, chat: bool, first: FirstToken, salt: str, plan: dict
-) -> bytes:
+def continuation_body(payload: Mapping, first: FirstToken, salt: str, plan: dict) -> bytes:
     """The decode engine's call: a completions request over the prompt's ids and the
     first token's, for the rest of the client's budget (left to the engine when the
     client left it), with the client's sampling options."""
     body: dict[str, Any] = {k: v for k, v in payload.items() if k in CARRIED and v is not None}
     body["model"] = payload.get("model")
     body["prompt"] = first.prompt_token_ids + first.token_ids
-    budget = budget_of(payload, chat)
+    budget = budget_of(payload, chat=first.chat)
     if budget is not None:
         body["max_tokens"] = budget - first.completion_tokens
     min_tokens = _int_or_none(payload.get("min_tokens"))
@@ -232,9 +231,9 @@ class StreamShaper:
     (completions chunks) re-shaped as the client's (chat chunks for a chat), all under
     the prefill answer's id, with usage counted as the client's request."""
 
-    def __init__(self, first: FirstToken, chat: bool, include_usage: bool) -> None:
+    def __init__(self, first: FirstToken, *, include_usage: bool) -> None:
         self.first = first
-        self.chat = chat
+        self.chat = chat = first.chat
         self.include_usage = include_usage
         body = first.body
         self._head = {
@@ -339,7 +338,7 @@ class StreamShaper:
         return _sse(out)
 
 
-def whole_answer(first: FirstToken, chat: bool, continuation: bytes | None) -> bytes:
+def whole_answer(first: FirstToken, continuation: bytes | None) -> bytes:
     """The client's whole answer: the prefill's answer with the continuation's text after
     its first token, the continuation's finish reason and usage (None: the first token
     was the whole answer). ValueError when the continuation is not a completion."""
@@ -356,7 +355,7 @@ def whole_answer(first: FirstToken, chat: bool, continuation: bytes | None) -> b
     except (KeyError, IndexError, TypeError) as exc:
         raise ValueError(f"not a completion: {exc!r}") from None
     text = first.text + (cont.get("text") or "")
-    if chat:
+    if first.chat:
         choice["message"] = {**choice["message"], "content": text}
     else:
         choice["text"] = text

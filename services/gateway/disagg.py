@@ -150,14 +150,14 @@ class SplitAnswer:
     `read`, `read_all`, `release`): the first token's events at once, then the
     continuation's, re-shaped (continuation.py). Not thread-safe: one event loop."""
 
-    def __init__(self, first: FirstToken, chat: bool, stream: bool, payload: dict) -> None:
+    def __init__(self, first: FirstToken, payload: dict) -> None:
         self.first = first
-        self.chat = chat
         self.status = 200
+        stream = payload.get("stream") is True
         self.headers = {"content-type": "text/event-stream" if stream else "application/json"}
         options = payload.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        self._shaper = StreamShaper(first, chat, include_usage) if stream else None
+        self._shaper = StreamShaper(first, include_usage=include_usage) if stream else None
         self._pending = b""  # the answer's bytes to give before the continuation's
         self._opening: asyncio.Future | None = None  # the continuation's reply, to come
         self._reply: UpstreamReply | None = None
@@ -171,7 +171,7 @@ class SplitAnswer:
         if self._shaper is not None:
             self._pending = self._shaper.first_events(True)
         else:
-            self._pending = whole_answer(self.first, self.chat, None)
+            self._pending = whole_answer(self.first, None)
 
     def start(self, continuation) -> None:
         """Run `continuation` (the coroutine that returns the continuation's reply) in
@@ -219,7 +219,7 @@ class SplitAnswer:
         reply = await self._continuation()
         data = await reply.read_all()
         try:
-            return whole_answer(self.first, self.chat, data)
+            return whole_answer(self.first, data)
         except ValueError as exc:
             raise UpstreamError(f"the continuation's answer: {exc}") from None
 
@@ -389,7 +389,7 @@ class Disaggregator:
         job = call.job
         chat = path.endswith("/chat/completions")
         why_not = continuable(job.payload)
-        first = None if why_not else read_first_token(data, chat)
+        first = None if why_not else read_first_token(data, chat=chat)
         if first is None:
             self.first_tokens.inc(engine="decode")
             notes["x-quillcache-first-token"] = (
@@ -402,8 +402,8 @@ class Disaggregator:
             return plan, None
         self.first_tokens.inc(engine="prefill")
         notes["x-quillcache-first-token"] = "prefill"
-        answer = SplitAnswer(first, chat, job.stream, job.payload)
-        if first.ends_answer(job.payload, chat):
+        answer = SplitAnswer(first, job.payload)
+        if first.ends_answer(job.payload):
             # Nothing to decode: the prefill engine's answer is the whole answer.
             if not self._to_prefill_engine(gateway, plan, move, CANCELLED):
                 raise asyncio.CancelledError  # the request ended meanwhile
@@ -564,7 +564,7 @@ class Disaggregator:
         first = answer.first
         engine_plan = continued_plan(gateway._plan_json(plan, call), first)  # noqa: SLF001
         salt = call.ident.identity.cache_salt
-        body = continuation_body(call.job.payload, answer.chat, first, salt, engine_plan)
+        body = continuation_body(call.job.payload, first, salt, engine_plan)
         reply = await gateway._upstream.post(  # noqa: SLF001 - the gateway's engine pool
             plan.engine_base_url.rstrip("/"),
             CONTINUATION_PATH,

@@ -82,15 +82,15 @@ def test_only_requests_a_continuation_answers_faithfully_are_continued(payload, 
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_the_first_token_and_the_ids_are_read_from_the_prefill_answer(chat):
-    first = read_first_token(prefill_answer(chat), chat)
+    first = read_first_token(prefill_answer(chat), chat=chat)
     assert first is not None
     assert (first.text, first.token_ids, first.prompt_token_ids) == (" Hello", [42], PROMPT_IDS)
     assert (first.prompt_tokens, first.completion_tokens) == (4, 1)
-    assert not first.ends_answer({"max_tokens": 2}, chat)
-    assert not first.ends_answer({}, chat)  # the engine's default budget
-    assert first.ends_answer({"max_tokens": 1}, chat)
-    ended = read_first_token(prefill_answer(chat, finish="stop"), chat)
-    assert ended.ends_answer({"max_tokens": 50}, chat)
+    assert not first.ends_answer({"max_tokens": 2})
+    assert not first.ends_answer({})  # the engine's default budget
+    assert first.ends_answer({"max_tokens": 1})
+    ended = read_first_token(prefill_answer(chat, finish="stop"), chat=chat)
+    assert ended.ends_answer({"max_tokens": 50})
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,7 @@ def test_an_answer_without_token_ids_cannot_be_continued(data):
 
 
 def test_the_continuation_is_a_completion_over_the_prompt_and_the_first_token():
-    first = read_first_token(prefill_answer(True), True)
+    first = read_first_token(prefill_answer(True), chat=True)
     payload = {
         "model": "m",
         "messages": [{"role": "user", "content": "hi"}],
@@ -115,7 +115,7 @@ def test_the_continuation_is_a_completion_over_the_prompt_and_the_first_token():
         "kv_transfer_params": {"other": 1},
     }
     plan = continued_plan({"engine_id": "e1", "fetch": []}, first)
-    body = json.loads(continuation_body(payload, True, first, "salt", plan))
+    body = json.loads(continuation_body(payload, first, "salt", plan))
     assert body["prompt"] == PROMPT_IDS + [42]
     assert body["max_tokens"] == 29 and body["min_tokens"] == 3
     assert body["temperature"] == 0.5 and body["stream"] is True
@@ -126,7 +126,7 @@ def test_the_continuation_is_a_completion_over_the_prompt_and_the_first_token():
     assert quillcache["continues"] == {"prompt_tokens": 4, "output_tokens": 1}
     assert body["kv_transfer_params"]["other"] == 1
     # no budget given: the engine's default, which counts the continuation's prompt
-    body = json.loads(continuation_body({"model": "m", "prompt": "p"}, False, first, "s", plan))
+    body = json.loads(continuation_body({"model": "m", "prompt": "p"}, first, "s", plan))
     assert "max_tokens" not in body
 
 
@@ -167,8 +167,8 @@ def continuation_stream(usage: bool) -> bytes:
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("cut", [1, 7, 40, 10_000])
 def test_a_streamed_answer_is_one_stream_in_the_clients_format(chat, cut):
-    first = read_first_token(prefill_answer(chat), chat)
-    shaper = StreamShaper(first, chat, include_usage=True)
+    first = read_first_token(prefill_answer(chat), chat=chat)
+    shaper = StreamShaper(first, include_usage=True)
     raw = shaper.first_events(False)
     stream = continuation_stream(usage=True)
     for i in range(0, len(stream), cut):  # however the engine's bytes are cut
@@ -199,19 +199,19 @@ def test_a_streamed_answer_is_one_stream_in_the_clients_format(chat, cut):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_first_token_that_ends_the_answer_is_the_whole_stream(chat):
-    first = read_first_token(prefill_answer(chat, finish="stop"), chat)
-    events = parse(StreamShaper(first, chat, include_usage=True).first_events(True))
+    first = read_first_token(prefill_answer(chat, finish="stop"), chat=chat)
+    events = parse(StreamShaper(first, include_usage=True).first_events(True))
     assert events[-1] == "[DONE]"
     last_choice = [e for e in events[:-1] if e["choices"]][-1]["choices"][0]
     assert last_choice["finish_reason"] == "stop"
     assert events[-2]["usage"]["completion_tokens"] == 1
-    without = parse(StreamShaper(first, chat, include_usage=False).first_events(True))
+    without = parse(StreamShaper(first, include_usage=False).first_events(True))
     assert all("usage" not in e for e in without[:-1])
 
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_whole_answer_joins_the_first_token_and_the_continuation(chat):
-    first = read_first_token(prefill_answer(chat), chat)
+    first = read_first_token(prefill_answer(chat), chat=chat)
     continuation = {
         "id": "cmpl-9",
         "object": "text_completion",
@@ -219,7 +219,7 @@ def test_a_whole_answer_joins_the_first_token_and_the_continuation(chat):
         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
         "quillcache": {"engine_id": "e1"},
     }
-    body = json.loads(whole_answer(first, chat, json.dumps(continuation).encode()))
+    body = json.loads(whole_answer(first, json.dumps(continuation).encode()))
     choice = body["choices"][0]
     assert (choice["message"]["content"] if chat else choice["text"]) == " Hello world"
     assert choice["finish_reason"] == "length"
@@ -230,6 +230,6 @@ def test_a_whole_answer_joins_the_first_token_and_the_continuation(chat):
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
     assert body["quillcache"] == {"engine_id": "e1"}
     with pytest.raises(ValueError):
-        whole_answer(first, chat, b'{"choices": []}')
-    alone = json.loads(whole_answer(first, chat, None))
+        whole_answer(first, b'{"choices": []}')
+    alone = json.loads(whole_answer(first, None))
     assert alone["usage"] == first.body["usage"] and "token_ids" not in alone["choices"][0]

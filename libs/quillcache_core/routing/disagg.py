@@ -16,6 +16,11 @@ The cost of each, in microseconds (the terms of the seed's `CostModel`):
               + load(d)                         d reads them from its store node (DRAM)
               + overhead                        the second engine call
 
+The client's first token is the prefill engine's (the gateway streams it at once and
+the decode engine continues from it), so a split's transfer, load and second call delay
+its second token rather than its first; they are priced all the same, as time the client
+waits for its answer either way.
+
 The stall is the point of disaggregation: a long prompt prefilled on an engine that is
 decoding for others stops every one of those streams for the prefill's duration (their
 inter-token latency); a prefill-only engine has no streams to stop. The output length
