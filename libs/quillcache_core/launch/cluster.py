@@ -177,7 +177,7 @@ class LocalCluster:
                     "--policy",
                     self.policy,
                     "--index-backend",
-                    "lmdb",
+                    "fs",
                     "--index-path",
                     str(self.data_dir / ("conductor-index" if i == 0 else f"conductor-{i}-index")),
                 ],
