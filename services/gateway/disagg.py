@@ -417,6 +417,8 @@ class Disaggregator:
             # that go out with the first token say what is done.
             await self._move(move)
             move.settled = self._settle(gateway, call, plan, move)
+            if move.settled:
+                self._fetch_actions(call, plan, move.moved, move.fetch_node)
         else:
             # What the decode engine is to load, as the headers say it before the move.
             self._fetch_actions(call, plan, len(move.keys), move.destination)

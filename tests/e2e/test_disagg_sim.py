@@ -158,7 +158,7 @@ def test_a_streamed_chat_is_split_and_streams_as_before(cluster):
     assert headers["x-quillcache-disagg"].startswith("split")
     assert headers["x-quillcache-first-token"] == "prefill"
     assert raw.rstrip().endswith(b"data: [DONE]")
-    split_pieces, split_usage = sse_pieces(raw, "chat"), sse_usage(raw)
+    split_headers, split_pieces, split_usage = headers, sse_pieces(raw, "chat"), sse_usage(raw)
     lines = raw.decode().splitlines()
     ids = {json.loads(line[6:])["id"] for line in lines if line.startswith("data: {")}
     assert len(ids) == 1  # one answer, not two engines' answers
@@ -170,7 +170,12 @@ def test_a_streamed_chat_is_split_and_streams_as_before(cluster):
     assert "".join(colocated) == "".join(split_pieces) and colocated[1]
     assert split_pieces[1] == colocated[1]  # the first token (after the role's chunk)
     assert counts(split_usage) == counts(sse_usage(raw))
-    assert split_usage["prompt_tokens_details"]["cached_tokens"] > 0  # engine-1 loaded it
+    loadable = (split_usage["prompt_tokens"] - 1) // 16
+    assert split_usage["prompt_tokens_details"]["cached_tokens"] == loadable * 16  # loaded
+    # The headers went out with the first token, before the KV moved between the two
+    # store nodes: what engine-1 is to load, no transfer figures yet.
+    assert int(split_headers["x-quillcache-fetch-blocks"]) == loadable
+    assert "x-quillcache-transfer-blocks" not in split_headers
 
 
 def open_stream(endpoints, path: str, body: dict):
