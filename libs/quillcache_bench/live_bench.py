@@ -320,19 +320,23 @@ def _cells(args, system: str, cells: list[tuple[str, str]]) -> list[tuple[str, s
 
 def _shape(args, engines: list[Engine], baseline: list[dict], system: str, workload: str):
     """Put the sim engines in the shape of this run: the decode workload's (and for
-    quillcache-split its roles), else the shape they started with."""
+    quillcache-split its roles), else the shape they started with; saving computed
+    blocks to the stores only for QuillCache's rows."""
     if not baseline:
         return
+    # QuillCache's KV connector saves what an engine computes to its store node; an
+    # engine behind a router has no such connector (and pays nothing for it).
+    ours = {"store_writes": "computed" if system in ("quillcache", SPLIT) else "none"}
     if workload in ITL_WORKLOADS:
         roles = [r.strip() for r in args.split_roles.split(",")] if system == SPLIT else []
         step_us = int(args.decode_step_ms * 1000 / max(args.time_scale, 1e-9))
         wanted = [
-            {**DECODE_SETTINGS, "decode_us_per_token": step_us,
+            {**DECODE_SETTINGS, "decode_us_per_token": step_us, **ours,
              "role": roles[i] if i < len(roles) else "both"}
             for i in range(len(engines))
         ]  # fmt: skip
     else:
-        wanted = baseline
+        wanted = [{**b, **ours} for b in baseline]
     changed = False
     for engine, want in zip(engines, wanted, strict=True):
         now = engine.settings()

@@ -10,6 +10,7 @@ from quillcache_core.process.settings import opt
 from quillcache_core.security.tls import TlsSettings
 
 _COST = CostModel()
+STORE_WRITES = ("computed", "evicted", "none")
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,12 @@ class SimEngineConfig(TlsSettings):
     head_dim: int = opt(128, "head dimension of the simulated KV tensor")
     store: str = opt("", "host:port of this engine's store node ('' = no offload, no FETCH)")
     store_node_id: str = opt("", "the store node's id (registry record, FETCH source matching)")
-    save_computed: bool = opt(
-        True,
-        "save every newly computed full block to the store node in the background, as the "
-        "QuillCache vLLM connector does (false: offload evicted blocks instead)",
+    store_writes: str = opt(
+        "computed",
+        "what goes to the store node: every newly computed full block, saved in the "
+        "background as the QuillCache vLLM connector does (computed); evicted blocks "
+        "(evicted); nothing (none)",
+        choices=STORE_WRITES,
     )
     save_queue_blocks: int = opt(8192, "computed blocks waiting to be saved; beyond: dropped")
     offload_queue_blocks: int = opt(256, "evicted blocks waiting for offload; beyond: dropped")

@@ -276,7 +276,7 @@ class SimEngine:
             events.append(
                 block_removed([b.engine_hash for b in result.evicted], self.publisher.encoding)
             )
-            if not self.mover.save_computed:  # else the pool has them since their prefill
+            if self.mover.store_writes == "evicted":  # "computed": in the pool already
                 for block in result.evicted:
                     self.mover.offload(block.key)
         for run in stored_runs(result.stored):

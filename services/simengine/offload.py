@@ -1,12 +1,12 @@
 """Moving KV blocks between the sim engine and store nodes: offload and FETCH.
 
-Save: with `save_computed` (the default, as the QuillCache vLLM connector does), every
+Save: with `store_writes` "computed" (the default, as the QuillCache vLLM connector does), every
 newly computed full block of a prompt goes to the engine's own store node once its
 prefill is done, one batch per request, in the background from a bounded queue: a
 full queue drops the batch (counted), serving never waits for it. Any engine can then
 FETCH those blocks from the pool instead of recomputing them.
 
-Offload: without `save_computed`, an evicted block's bytes (see `kvbytes`) go to the
+Offload: with "evicted" instead, an evicted block's bytes (see `kvbytes`) go to the
 engine's own store node under the block's QuillCache key instead. It runs in background
 workers from a bounded queue, so serving never waits for it; a full queue drops the
 block (counted), as an engine under memory pressure would.
@@ -89,7 +89,7 @@ class MoverStats:
     fetch_mismatches: int = 0  # bytes arrived but differ from the block's content
     fetched_bytes: int = 0
     stored_through: int = 0  # prompt blocks stored at once for a decode engine
-    saved: int = 0  # computed blocks saved in the background (save_computed)
+    saved: int = 0  # computed blocks saved in the background (store_writes "computed")
     save_dropped: int = 0  # computed blocks not saved: the save queue was full
     batched_puts: int = 0  # blocks stored or saved in one data-port batch per request
     batched_fetches: int = 0  # fetched blocks read in one data-port batch per request
@@ -110,11 +110,11 @@ class BlockMover:
         store_factory: StoreFactory = default_store_factory,
         batches: Callable[[], object] | None = None,
         data_address: Callable[[str], Awaitable[str]] | None = None,
-        save_computed: bool = False,
+        store_writes: str = "evicted",
         save_queue_blocks: int = 8192,
     ) -> None:
         self.own_address = own_address
-        self.save_computed = save_computed
+        self.store_writes = store_writes  # computed, evicted or none (see the module)
         self.own_node_id = own_node_id
         self.kv_shape = tuple(kv_shape)
         self.timeout_s = timeout_s
@@ -153,11 +153,9 @@ class BlockMover:
             loop.create_task(self._offload_worker(), name=f"offload-{i}")
             for i in range(self._concurrency)
         ]
-        if self.save_computed:
-            # Two batches in flight: one travels while the next one's bytes are made.
-            self._workers += [
-                loop.create_task(self._save_worker(), name=f"save-{i}") for i in range(2)
-            ]
+        # Two save batches in flight: one travels while the next one's bytes are made
+        # (idle unless `store_writes` is "computed": it may be changed in place).
+        self._workers += [loop.create_task(self._save_worker(), name=f"save-{i}") for i in range(2)]
 
     def client(self, address: str) -> StoreLike:
         """The client of a store address (created on first use; the least recently
@@ -255,7 +253,7 @@ class BlockMover:
     def save_later(self, keys: list[KvBlockKey]) -> bool:
         """Queue a prompt's newly computed blocks for a background save to the own store
         node; False (the blocks counted as dropped) when the queue is full or saving is off."""
-        if not self.enabled or not self.save_computed or not keys:
+        if not self.enabled or self.store_writes != "computed" or not keys:
             return False
         if self._saving + len(keys) > self._save_limit:
             self.stats.save_dropped += len(keys)

@@ -32,7 +32,7 @@ from quillcache_core.identity.tokenize import BuiltinTokenizer, Tokenizer, load_
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, NodeRegistry, open_registry
 from quillcache_simengine.completions import CompletionRoutes, json_error
-from quillcache_simengine.config import SimEngineConfig
+from quillcache_simengine.config import STORE_WRITES, SimEngineConfig
 from quillcache_simengine.engine import SimEngine
 from quillcache_simengine.events import KvEventPublisher
 from quillcache_simengine.kvcache import PrefixCache
@@ -54,6 +54,7 @@ SETTABLE = {
     "kv_layers": int,
     "kv_heads": int,
     "head_dim": int,
+    "store_writes": str,
 }
 
 __all__ = ["SETTABLE", "SimEngineServer", "load_tokenizer"]
@@ -105,7 +106,7 @@ class SimEngineServer:
             kv_shape=config.kv_shape,
             timeout_s=config.store_timeout_s,
             queue_blocks=config.offload_queue_blocks,
-            save_computed=config.save_computed,
+            store_writes=config.store_writes,
             save_queue_blocks=config.save_queue_blocks,
             concurrency=config.offload_concurrency,
             store_factory=store_factory,
@@ -450,6 +451,8 @@ class SimEngineServer:
                     raise ApiError(400, f"{name} must be {SETTABLE[name].__name__}")
             if body.get("role", "both") not in ("prefill", "decode", "both"):
                 raise ApiError(400, "role must be prefill, decode or both")
+            if body.get("store_writes", "computed") not in STORE_WRITES:
+                raise ApiError(400, f"store_writes must be one of {', '.join(STORE_WRITES)}")
             try:
                 config = replace(self.config, **body)
             except QuillCacheError as exc:  # the config's own checks
@@ -466,6 +469,7 @@ class SimEngineServer:
         sched.queue.us_per_token = config.prefill_us_per_token
         sched.decode_interval_s = config.decode_us_per_token * config.time_scale / 1e6
         self.mover.kv_shape = config.kv_shape
+        self.mover.store_writes = config.store_writes
         self.routes.config = config
         if self.registry is not None and (old.role, old.kv_shape) != (config.role, config.kv_shape):
             await self.registry.register(self.record(), config.lease_ttl_s)

@@ -84,9 +84,13 @@ def test_a_sim_engine_takes_new_settings_in_place(tmp_path: Path) -> None:
         sim = Engine("engine-0", engine.fields["plain_http"])
         before = sim.settings()
         assert before["role"] == "both" and before["prefill_stalls_decodes"] is False
-        after = sim.settings({"role": "decode", "prefill_stalls_decodes": True, "kv_layers": 2})
-        assert after == {**before, "role": "decode", "prefill_stalls_decodes": True, "kv_layers": 2}
-        for bad in ({"role": "boss"}, {"kv_layers": 0}, {"port": 1}, {"kv_heads": "2"}):
+        assert before["store_writes"] == "computed"
+        change = {"role": "decode", "prefill_stalls_decodes": True, "kv_layers": 2}
+        after = sim.settings({**change, "store_writes": "none"})
+        assert after == {**before, **change, "store_writes": "none"}
+        bad_values = ({"role": "boss"}, {"kv_layers": 0}, {"port": 1}, {"kv_heads": "2"},
+                      {"store_writes": "all"})  # fmt: skip
+        for bad in bad_values:
             with pytest.raises(urllib.error.HTTPError) as refused:
                 sim.settings(bad)
             assert refused.value.code == 400

@@ -158,7 +158,7 @@ def start_fleet(fleet: Fleet, tmp_path: Path) -> tuple[ServiceProcess, ServicePr
                 "--lease-ttl-s", str(TTL_S), "--time-scale", "0", "--hbm-blocks", "8192",
                 "--store", store.grpc_address, "--store-node-id", "store-a",
                 # The residency counted below is the engines' own and the store's puts.
-                "--save-computed", "false",
+                "--store-writes", "evicted",
             ],
             tmp_path,
             f"engine-{i}",

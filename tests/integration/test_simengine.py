@@ -358,7 +358,7 @@ def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
         address = store.grpc_address
         engine = engine_factory(
             "--hbm-blocks", "8", "--store", address, "--store-node-id", "store-a",
-            "--kv-layers", "4", "--node-id", "e2", "--save-computed", "false",
+            "--kv-layers", "4", "--node-id", "e2", "--store-writes", "evicted",
         )  # fmt: skip
         shape = (4, 2, BS, 8, 128)  # --kv-layers 4: 256 KiB per block
         a, b, c = ([seed * 1000 + i for i in range(6 * BS + 1)] for seed in (1, 2, 3))
