@@ -190,7 +190,7 @@ def test_a_killed_conductor_is_back_on_its_address_and_plans_hits_again(cluster)
     assert len(failed) <= 0.005 * len(load.results), failed[:5]
     assert late == [], late[:5]
     # The prompt's blocks computed before the kill are hits again (the last, partly
-    # generated one aside): the reopened LMDB index, and the engines' event replay.
+    # generated one aside): the reopened index, and the engines' event replay.
     computed = int(first.headers["x-quillcache-recompute-blocks"])
     assert int(again.headers["x-quillcache-hit-blocks"]) >= computed - 1 > 0, dict(again.headers)
     # (Either engine may hold them by now.)
