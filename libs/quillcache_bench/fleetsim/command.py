@@ -42,9 +42,11 @@ DEFAULT_RATES = "0.1,0.25,0.5,0.75,1.0,1.25"
 # Every router of the library, plus the oracle (perfect information; simulator only).
 BENCH_POLICIES = (*POLICY_NAMES, "oracle")
 # The systems whose engines write every computed block through to their store node:
-# ours (QuillCache's KV connector does) and the oracle (the limit of routing over the
-# same pool as ours). The references' engines offload on eviction only, as before.
-DEFAULT_WRITE_THROUGH = "quillcache,oracle"
+# every one by default. QuillCache's KV connector does; a reference's engines could run
+# a connector that does (LMCache, vLLM's CPU offloading), and with every engine loading
+# its own store node's blocks that helps them: the stronger reading of the references.
+# `--write-through quillcache,oracle` gives the references on-eviction offload only.
+DEFAULT_WRITE_THROUGH = ",".join(BENCH_POLICIES)
 
 MODELLING_NOTES = [
     "Saturation (1.0x) = engines / (min prefill tokens per request x prefill_us_per_token), "
