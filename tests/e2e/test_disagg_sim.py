@@ -50,9 +50,9 @@ def cluster(tmp_path_factory):
         lc.stop()
 
 
-def post(endpoints, path: str, body: dict, headers: dict | None = None):
-    """(status, headers, body bytes) of one gateway call, errors included."""
-    request = urllib.request.Request(
+def acme_request(endpoints, path: str, body: dict, headers: dict | None = None):
+    """A POST of `body` to the gateway as acme."""
+    return urllib.request.Request(
         endpoints["gateway_url"] + path,
         data=json.dumps(body).encode(),
         headers={
@@ -61,6 +61,11 @@ def post(endpoints, path: str, body: dict, headers: dict | None = None):
             **(headers or {}),
         },
     )
+
+
+def post(endpoints, path: str, body: dict, headers: dict | None = None):
+    """(status, headers, body bytes) of one gateway call, errors included."""
+    request = acme_request(endpoints, path, body, headers)
     context: ssl.SSLContext | None = tenant_context(endpoints)
     try:
         with urllib.request.urlopen(request, timeout=60, context=context) as reply:
@@ -179,14 +184,7 @@ def test_a_streamed_chat_is_split_and_streams_as_before(cluster):
 
 
 def open_stream(endpoints, path: str, body: dict):
-    request = urllib.request.Request(
-        endpoints["gateway_url"] + path,
-        data=json.dumps(body).encode(),
-        headers={
-            "Authorization": f"Bearer {endpoints['api_keys']['acme']}",
-            "Content-Type": "application/json",
-        },
-    )
+    request = acme_request(endpoints, path, body)
     return urllib.request.urlopen(request, timeout=30, context=tenant_context(endpoints))
 
 

@@ -342,19 +342,24 @@ def test_kv_events_decode_in_both_encodings_with_the_salt_as_tenant(engine_facto
 # --- offload and FETCH through a real store ---------------------------------------------------
 
 
-@pytest.mark.skipif(not STORE_AVAILABLE, reason="services/store has no service entry point yet")
-def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
-    engine_factory, tmp_path: Path
-):
-    from quillcache_store.client import StoreClient
-
+def lone_store_a(tmp_path: Path):
+    """A started store "store-a" with an in-memory registry and no peer fetch."""
     store = ServiceProcess(
         "store",
         ["--data-dir", str(tmp_path / "store"), "--registry", "memory", "--node-id", "store-a",
          "--peer-fetch", "false"],
         tmp_path,
     )  # fmt: skip
-    with store.start(timeout_s=20.0):
+    return store.start(timeout_s=20.0)
+
+
+@pytest.mark.skipif(not STORE_AVAILABLE, reason="services/store has no service entry point yet")
+def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
+    engine_factory, tmp_path: Path
+):
+    from quillcache_store.client import StoreClient
+
+    with lone_store_a(tmp_path) as store:
         address = store.grpc_address
         engine = engine_factory(
             "--hbm-blocks", "8", "--store", address, "--store-node-id", "store-a",
@@ -423,13 +428,7 @@ def test_computed_blocks_are_saved_and_another_engine_fetches_them(engine_factor
     node after its prefill, with nothing evicted; a second engine then loads them."""
     from quillcache_store.client import StoreClient
 
-    store = ServiceProcess(
-        "store",
-        ["--data-dir", str(tmp_path / "store"), "--registry", "memory", "--node-id", "store-a",
-         "--peer-fetch", "false"],
-        tmp_path,
-    )  # fmt: skip
-    with store.start(timeout_s=20.0):
+    with lone_store_a(tmp_path) as store:
         address = store.grpc_address
         common = ("--store", address, "--store-node-id", "store-a", "--kv-layers", "2")
         first_engine = engine_factory(*common, "--node-id", "e1", "--seed", "11", name="sim-e1")
