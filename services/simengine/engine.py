@@ -6,12 +6,13 @@ A request's life (each step on the event loop; nothing here blocks it):
    hashes for store keys), pin the longest cached prefix (local hits; blocks a prefill
    booked earlier is computing count too, as vLLM looks the cache up at scheduling
    time), then fetch the blocks the plan lists right after it (a contiguous run; the
-   first failure ends it, the rest are recomputed). At least one token is always computed, as in vLLM, so at
-   most (tokens - 1) // block_size blocks can be hits or fetches.
+   first failure ends it, the rest are recomputed). At least one token is always
+   computed, as in vLLM, so at most (tokens - 1) // block_size blocks can be hits or
+   fetches.
 2. `prefill`: wait for the single prefill server, for the tokens not hit or fetched;
    then cache the request's blocks and publish BlockRemoved / BlockStored in one batch;
-   the computed blocks are saved to the store node in the background (or, with saving
-   off, the evicted LRU blocks are offloaded).
+   the computed blocks are saved to the store node in the background (or, with
+   `--store-writes evicted`, the evicted LRU blocks are offloaded).
 3. The caller decodes (`scheduler.decode`) and streams the deterministic output.
 4. `release`: unpin the request's blocks.
 """

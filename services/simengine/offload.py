@@ -1,15 +1,15 @@
 """Moving KV blocks between the sim engine and store nodes: offload and FETCH.
 
-Save: with `store_writes` "computed" (the default, as the QuillCache vLLM connector does), every
-newly computed full block of a prompt goes to the engine's own store node once its
-prefill is done, one batch per request, in the background from a bounded queue: a
-full queue drops the batch (counted), serving never waits for it. Any engine can then
-FETCH those blocks from the pool instead of recomputing them.
+Save: with `store_writes` "computed" (the engine's default, as the QuillCache vLLM
+connector does), every newly computed full block of a prompt goes to the engine's own
+store node once its prefill is done, one batch per request, in the background from a
+bounded queue: a full queue drops the batch (counted), serving never waits for it. Any
+engine can then FETCH those blocks from the pool instead of recomputing them.
 
-Offload: with "evicted" instead, an evicted block's bytes (see `kvbytes`) go to the
-engine's own store node under the block's QuillCache key instead. It runs in background
-workers from a bounded queue, so serving never waits for it; a full queue drops the
-block (counted), as an engine under memory pressure would.
+Offload: with "evicted", an evicted block's bytes (see `kvbytes`) go to the engine's
+own store node under the block's QuillCache key instead. It runs in background workers
+from a bounded queue, so serving never waits for it; a full queue drops the block
+(counted), as an engine under memory pressure would. With "none" nothing goes there.
 
 Fetch: a block the plan says to FETCH is read from a store (the engine's own node,
 which may pull it from a peer, or the plan's source address directly) and checked
