@@ -25,6 +25,9 @@ use, while the gateway keeps using the engines' TLS port. Same engines, same cac
 same counters. With `--engine vllm` (vLLM has one port) the whole cluster runs
 `--insecure` for everyone.
 
+The sim engines run with 16 KiB KV blocks on every workload (`KV_SHAPE`), and save what
+they compute to their store nodes (`--store-writes computed`, as QuillCache's KV
+connector does) only in QuillCache's rows; behind a router they write nothing there.
 Before each run every engine's prefix cache is emptied, and every prompt of a run opens
 with a nonce of that run, so no system inherits another's cache (the stores included).
 Per run: TTFT (send to first content chunk, streaming) mean/p50/p99, completed
@@ -33,8 +36,8 @@ token share (from the engines' own counters), and the control path's CPU seconds
 (gateway + conductor for QuillCache, the router process for the others; /proc).
 The decode workload (long outputs) runs with the sim engines switched in place to a
 decode-heavy shape for every system alike (`DECODE_SETTINGS`: `--decode-step-ms`
-decode steps, prefills stalling decodes as in vLLM without chunked prefill, 16 KiB KV
-blocks this machine can move), at `--decode-rps`; its figures add inter-token latency
+decode steps, prefills stalling decodes as in vLLM without chunked prefill), at
+`--decode-rps`; its figures add inter-token latency
 (mean, p50, p99 over every gap between a stream's content chunks) and the goal of
 issue 21 (split ITL p99 <= 0.7x colocated, mean TTFT <= 1.1x). With `--quick` it runs
 only QuillCache's two rows and sglang-router cache_aware.
