@@ -102,7 +102,7 @@ QUICK_ITL_SYSTEMS = ("quillcache", SPLIT, "sglang-router-cache_aware")
 # gateway and the conductors are told the same size (--block-bytes), as an operator
 # configures them for the model.
 KV_SHAPE = {"kv_layers": 2, "kv_heads": 2, "head_dim": 64}
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 64 * 2
+BLOCK_BYTES = KV_SHAPE["kv_layers"] * 2 * 16 * KV_SHAPE["kv_heads"] * KV_SHAPE["head_dim"] * 2
 # The decode workload's timing, the same for every system (the step is added from
 # --decode-step-ms).
 DECODE_SETTINGS = {"prefill_stalls_decodes": True, **KV_SHAPE}

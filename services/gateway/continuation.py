@@ -216,6 +216,7 @@ def merged_usage(first: FirstToken, usage: Mapping) -> dict:
     return merged
 
 
+# An answer's own keys; any other a continuation's event or answer has is passed on.
 _PLAIN_KEYS = frozenset(("id", "object", "created", "model", "choices", "usage"))
 
 
@@ -319,11 +320,7 @@ class StreamShaper:
             ):
                 head, tail = self._plain
                 return head + json.dumps(choice["text"]).encode() + tail
-        extra = {
-            k: v
-            for k, v in event.items()
-            if k not in ("id", "object", "created", "model", "choices", "usage")
-        }
+        extra = {k: v for k, v in event.items() if k not in _PLAIN_KEYS}
         usage = event.get("usage")
         if isinstance(usage, Mapping):
             extra["usage"] = merged_usage(self.first, usage)
@@ -362,7 +359,7 @@ def whole_answer(first: FirstToken, continuation: bytes | None) -> bytes:
     choice["finish_reason"] = cont.get("finish_reason")
     choice["stop_reason"] = cont.get("stop_reason")
     for key, value in more.items():
-        if key not in ("id", "object", "created", "model", "choices", "usage"):
+        if key not in _PLAIN_KEYS:
             body[key] = value  # the decode engine's extras (the sim engine's report)
     if isinstance(more.get("usage"), Mapping):
         body["usage"] = merged_usage(first, more["usage"])
