@@ -386,7 +386,7 @@ class BlockMover:
 
     async def fetch(self, key: KvBlockKey, source_node: str, source_address: str) -> bool:
         """Read one block and verify its bytes; False (counted) on any failure."""
-        own = bool(self.own_address) and (not source_address or source_node == self.own_node_id)
+        own = self._is_own(source_node, source_address)
         address = self.own_address if own else source_address
         if not address:
             self.stats.fetch_failures += 1
