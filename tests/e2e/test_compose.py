@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -49,25 +51,80 @@ print(json.dumps({'ssd_blocks': s.ssd_blocks, 'dram_blocks': s.dram_blocks}))
 """
 
 
-def free_port() -> int:
-    import socket
+def published_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, for the stack to publish.
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    A podman run that is interrupted (a killed test) leaves its port-forward rules in
+    the host's NAT table, and they catch every later connection to that port on
+    127.0.0.1. Outside the ephemeral range, such a leftover can never catch a port the
+    kernel hands to another test's server."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = secrets.randbelow(low - 20000) + 20000
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if not port_rules(port):
+            return port
+    raise RuntimeError(f"no free port in 20000-{low}")
+
+
+def iptables(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["iptables", "-t", "nat", *args], capture_output=True, text=True)
+
+
+def port_rules(port: int) -> list[str]:
+    """The host's NAT rules that forward this port (podman's port-forwarding)."""
+    if shutil.which("iptables") is None:
+        return []
+    rules = iptables("-S").stdout.splitlines()
+    return [rule for rule in rules if f"--dport {port} " in rule]
+
+
+def remove_leftover_networks() -> list[str]:
+    """Remove the networks of earlier interrupted runs of this test (no container left on
+    them), with the port-forward rules podman left for their containers. Returns their
+    names."""
+    names = subprocess.run(
+        ["podman", "network", "ls", "--format", "{{.Name}}"], capture_output=True, text=True
+    ).stdout.split()
+    removed = []
+    for name in (n for n in names if n.startswith("qce2e")):
+        users = subprocess.run(
+            ["podman", "ps", "-a", "--filter", f"network={name}", "--format", "{{.Names}}"],
+            capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+        if users:
+            continue  # a stack running now (another run's): not ours to touch
+        if shutil.which("iptables") is not None:
+            chains = set()
+            for rule in iptables("-S", "NETAVARK-HOSTPORT-DNAT").stdout.splitlines():
+                if rule.startswith("-A ") and f"dnat name: {name} " in rule:
+                    iptables("-D", *shlex.split(rule)[1:])
+                    chains.add(rule.rsplit("-j ", 1)[1].strip())
+            for chain in chains:
+                if not any(f"-j {chain}" in r for r in iptables("-S").stdout.splitlines()):
+                    iptables("-F", chain)
+                    iptables("-X", chain)
+        subprocess.run(["podman", "network", "rm", "-f", name], capture_output=True)
+        removed.append(name)
+    return removed
 
 
 class Stack:
     def __init__(self, tmp: Path) -> None:
         self.project = f"qce2e{secrets.token_hex(3)}"
         self.tmp = tmp
-        self.gateway_port = free_port()
+        self.gateway_port = published_port()
+        self.ports = [self.gateway_port, published_port(), published_port()]
         self.env = {
             **os.environ,
             "QC_GATEWAY_HOST": "127.0.0.1",
             "QC_GATEWAY_PORT": str(self.gateway_port),
-            "QC_ETCD_PORT": str(free_port()),
-            "QC_CONDUCTOR_PORT": str(free_port()),
+            "QC_ETCD_PORT": str(self.ports[1]),
+            "QC_CONDUCTOR_PORT": str(self.ports[2]),
             # Small engine caches and store DRAM: evicted blocks reach the stores' SSD.
             "QC_HBM_BLOCKS": "64",
             "QC_STORE_DRAM_BYTES": str(8 * 1024 * 1024),
@@ -136,13 +193,20 @@ class Stack:
             "--format", "{{.Names}}",
         )  # fmt: skip
         volumes = self.podman("volume", "ls", "--format", "{{.Name}}").stdout.split()
-        return left.stdout.split() + [v for v in volumes if v.startswith(self.project)]
+        networks = self.podman("network", "ls", "--format", "{{.Name}}").stdout.split()
+        return (
+            left.stdout.split()
+            + [v for v in volumes + networks if v.startswith(self.project)]
+            + [rule for port in self.ports for rule in port_rules(port)]
+        )
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     started = time.monotonic()
     subprocess.run([str(SCRIPT), "all"], cwd=ROOT, check=True, timeout=600)
+    for name in remove_leftover_networks():
+        print(f"removed {name}, left by an interrupted run")
     print(f"\nimage ready in {time.monotonic() - started:.1f}s")
     s = Stack(tmp_path_factory.mktemp("compose"))
     try:
@@ -154,7 +218,7 @@ def stack(tmp_path_factory):
             print(s.podman("logs", "--tail", "20", s.container(service), check=False).stderr)
         raise
     finally:
-        assert s.down() == [], "compose down left containers or volumes"
+        assert s.down() == [], "compose down left containers, volumes, networks or port rules"
 
 
 def test_chat_and_completions_through_the_gateway_and_the_second_request_hits(stack):
