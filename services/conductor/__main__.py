@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 from quillcache_conductor.config import ConductorConfig
-from quillcache_core.process.service import configure_logging, serve_until_signalled
+from quillcache_core.process.service import configure_logging, run_service
 from quillcache_core.process.settings import load_settings
 
 DESCRIPTION = (
@@ -23,12 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_level)
     from quillcache_conductor.server import ConductorServer
 
-    return asyncio.run(_run(ConductorServer, config))
-
-
-async def _run(server_cls, config) -> int:
-    server = server_cls(config)
-    return await serve_until_signalled(server)
+    return run_service(lambda: ConductorServer(config), config.event_loop)
 
 
 if __name__ == "__main__":

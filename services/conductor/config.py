@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.index import BACKENDS
+from quillcache_core.process.service import event_loop_opt
 from quillcache_core.process.settings import opt
 from quillcache_core.routing.disagg import DisaggSettings
 from quillcache_core.routing.references import POLICY_NAMES
@@ -102,6 +103,7 @@ class ConductorConfig(TlsSettings):
         500e6, "store-to-store bandwidth assumed until the gateways' transfers measure it"
     )
     seed: int = opt(0, "random seed for tie-breaks (0 = from the OS)")
+    event_loop: str = event_loop_opt()
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
-from quillcache_core.process.service import configure_logging, serve_until_signalled
+from quillcache_core.process.service import configure_logging, run_service
 from quillcache_core.process.settings import load_settings
 from quillcache_gateway.config import GatewayConfig
 
@@ -22,11 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.log_level)
     from quillcache_gateway.server import Gateway
 
-    if config.event_loop == "uvloop":
-        import uvloop
-
-        return uvloop.run(serve_until_signalled(Gateway(config)))
-    return asyncio.run(serve_until_signalled(Gateway(config)))
+    return run_service(lambda: Gateway(config), config.event_loop)
 
 
 if __name__ == "__main__":

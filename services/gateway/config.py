@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.process.service import event_loop_opt
 from quillcache_core.process.settings import opt
 from quillcache_core.security.tls import TlsSettings
 from quillcache_gateway.limits import TenantLimit, check_limit, parse_tenant_limits
@@ -104,11 +105,7 @@ class GatewayConfig(TlsSettings):
     upstream_retries: int = opt(
         1, "re-plans on another engine when one fails before its first byte"
     )
-    event_loop: str = opt(
-        "uvloop",
-        "asyncio event loop: uvloop (faster) or Python's own",
-        choices=("uvloop", "asyncio"),
-    )
+    event_loop: str = event_loop_opt()
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
     def __post_init__(self) -> None:

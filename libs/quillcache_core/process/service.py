@@ -6,7 +6,17 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import Protocol
+
+from quillcache_core.process.settings import opt
+
+EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def event_loop_opt():
+    """The `event_loop` setting of a service that runs on `run_service`."""
+    return opt("uvloop", "asyncio event loop: uvloop (faster) or Python's own", EVENT_LOOPS)
 
 
 class Service(Protocol):
@@ -42,3 +52,17 @@ async def serve_until_signalled(service: Service) -> int:
     logging.getLogger(__name__).info("signal received, stopping")
     await service.stop()
     return 0
+
+
+def run_service(make: Callable[[], Service], event_loop: str) -> int:
+    """Build the service inside the loop and serve it until signalled, on uvloop or on
+    Python's own asyncio loop."""
+
+    async def main() -> int:
+        return await serve_until_signalled(make())
+
+    if event_loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(main())
+    return asyncio.run(main())
