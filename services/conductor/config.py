@@ -42,6 +42,11 @@ class ConductorConfig(TlsSettings):
         False,
         "price queued prefill tokens with the seed's 4 us/token instead of the prefill speed",
     )
+    calibrate_prefill: bool = opt(
+        True,
+        "learn the engines' prefill speed per model from the TTFTs Finish reports and price "
+        "plans with it (false = the cost model's default, 45 us a prompt token)",
+    )
     temperature: float = opt(
         0.0, "softmax temperature of the quillcache/dynamo policies (0 = greedy)"
     )

@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from quillcache_conductor.state import ConductorState, Reservation
+from quillcache_conductor.records import Reservation
+from quillcache_conductor.state import ConductorState
 from quillcache_core.model import CacheResidency, WorkerState
 
 logger = logging.getLogger(__name__)

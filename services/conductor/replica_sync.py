@@ -33,7 +33,8 @@ import grpc
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_conductor.peer_load import ClosedLoad, OpenedLoad, PeerLoad
-from quillcache_conductor.state import ConductorState, Reservation
+from quillcache_conductor.records import Reservation
+from quillcache_conductor.state import ConductorState
 from quillcache_core.model import CacheResidency, CacheTier, KvBlockKey
 from quillcache_core.security.tls import Tls, grpc_channel
 from quillcache_core.wire.plan import HASH_BYTES, unpack_hashes

@@ -69,6 +69,7 @@ class ConductorServer:
             default_block_bytes=config.block_bytes,
             max_blocks_per_request=config.max_blocks_per_request,
             block_tokens=config.block_tokens,
+            calibrate=config.calibrate_prefill,
         )
         split.configure(self.state, config.disagg_settings())
         self.metrics = MetricsRegistry()
@@ -102,6 +103,9 @@ class ConductorServer:
         self.leave_hold_s = max(1.0, config.lease_ttl_s)
         self.outage_window_s = max(2.0, config.lease_ttl_s)
 
+    def _learned_speeds(self):
+        return self.state.speeds.speeds.items() if self.state.speeds is not None else ()
+
     def _register_metrics(self) -> None:
         state = self.state
         m = self.metrics
@@ -111,6 +115,21 @@ class ConductorServer:
             "reservations released by Finish, by outcome",
             ["outcome"],
             read=lambda: [((k,), v) for k, v in state.counters.finishes.items()],
+        )
+        m.gauge(
+            "prefill_us_per_token",
+            "the engines' prefill speed each plan of the model is priced with: learned from "
+            "measured TTFTs, the cost model's default until enough of them (--calibrate-prefill)",
+            ["model"],
+            read=lambda: [
+                ((model,), speed.us_per_token) for model, speed in self._learned_speeds()
+            ],
+        )
+        m.gauge(
+            "prefill_samples_total",
+            "finished requests whose TTFT taught the model's prefill speed",
+            ["model"],
+            read=lambda: [((model,), speed.samples) for model, speed in self._learned_speeds()],
         )
         m.gauge(
             "reservations_open",

@@ -298,7 +298,9 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 request.transfer_bytes_per_s,
                 request.transfer_blocks,
             )
-        engine_id = self.state.finish(request.reservation_id, outcome, promote=not observe)
+        engine_id = self.state.finish(
+            request.reservation_id, outcome, promote=not observe, ttft_s=request.ttft_ms / 1000
+        )
         if observe and engine_id in self.state.engines:
             self.state.observe(engine_id, observe)
         return conductor_pb2.FinishResponse(released=True)

@@ -13,7 +13,8 @@ import logging
 import secrets
 from collections.abc import Sequence
 
-from quillcache_conductor.state import ConductorState, PlanOutcome, Reservation, _serves
+from quillcache_conductor.records import PlanOutcome, Reservation
+from quillcache_conductor.state import ConductorState, _serves
 from quillcache_core.model import RequestShape
 from quillcache_core.routing import disagg
 
@@ -61,6 +62,7 @@ def plan_split(
             0, decode.queued_prefill_tokens - res.prefill_tokens + tail
         )
     res.prefill_tokens = tail
+    res.sample_tokens = -1  # its TTFT is the prefill engine's: no sample of this one's speed
     now = state.clock()
     prefill = Reservation(
         id=secrets.token_hex(16),

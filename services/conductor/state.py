@@ -12,10 +12,18 @@ import random
 import secrets
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from quillcache_conductor import overlay
 from quillcache_conductor.listener import ReservationListener
+from quillcache_conductor.records import (
+    OPTIMISTIC_LINGER_S,
+    OUTCOMES,
+    Counters,
+    Departure,
+    EngineInfo,
+    PlanOutcome,
+    Reservation,
+)
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, NotFound
 from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.model import (
@@ -28,75 +36,11 @@ from quillcache_core.model import (
 )
 from quillcache_core.registry import NodeRecord
 from quillcache_core.routing import disagg
+from quillcache_core.routing.calibrate import ModelSpeeds
 from quillcache_core.routing.decide import plan_request
 from quillcache_core.routing.policy import Fleet, PlanDecision, Policy
 
 logger = logging.getLogger(__name__)
-
-OUTCOMES = ("success", "error", "cancelled")
-# After a successful Finish on an engine that publishes KV events, its optimistic records
-# stay this long: the Finish can reach the conductor before the engine's own events for
-# the request do (another socket; a subscription still connecting), and a repeat of the
-# prompt planned in between must still find them.
-OPTIMISTIC_LINGER_S = 2.0
-
-
-@dataclass(slots=True)
-class Reservation:
-    id: str
-    engine_id: str
-    prefill_tokens: int
-    blocks: int
-    created_s: float
-    expires_s: float
-    prefill_released: bool = False
-    # Blocks recorded on the engine at plan time (in the state's overlay); made
-    # resident on success, taken back if the request fails or expires.
-    optimistic: list[CacheResidency] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class EngineInfo:
-    record: NodeRecord
-    state: WorkerState
-
-
-@dataclass(slots=True)
-class Departure:
-    """A node whose registry record went, in its leave grace (`node_left`). While
-    `held` it is still in `engines`/`stores` (routable); else out of them, only its
-    residency records kept until `drop_s`."""
-
-    kind: str
-    record: NodeRecord
-    left_s: float
-    drop_s: float
-    routable_until_s: float
-    held: bool
-    info: EngineInfo | None = None  # an excluded engine's entry, restored if it returns
-
-
-@dataclass(slots=True)
-class Counters:
-    plans: int = 0
-    finishes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
-    reservations_expired: int = 0
-    guard_refusals: int = 0
-    observed_blocks: int = 0
-    store_events: int = 0
-    departed_records_dropped: int = 0
-    restart_records_dropped: int = 0
-    nodes_returned: int = 0  # came back within their leave grace (same run)
-    nodes_dropped_after_grace: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PlanOutcome:
-    reservation_id: str
-    decision: PlanDecision
-    # Prefill/decode disaggregation: the choice, and the prefill's own reservation.
-    split: disagg.SplitChoice | None = None
-    prefill_reservation_id: str = ""
 
 
 class ConductorState:
@@ -120,6 +64,7 @@ class ConductorState:
         max_blocks_per_request: int = 16384,
         block_tokens: int = 16,
         optimistic_linger_s: float = OPTIMISTIC_LINGER_S,
+        calibrate: bool = True,
     ) -> None:
         if reservation_ttl_s <= 0:
             raise InvalidArgument("reservation_ttl_s must be positive")
@@ -161,6 +106,9 @@ class ConductorState:
         self.bandwidth = disagg.Bandwidth(self.disagg_settings.default_bytes_per_s)
         # Told of each reservation opened and closed (the replicas' sync), if set.
         self.listener: ReservationListener | None = None
+        # The engines' prefill speed per model, learned from Finish's TTFT
+        # (routing/calibrate.py); the policy prices each plan with its model's.
+        self.speeds = ModelSpeeds(policy.cost_model) if calibrate else None
 
     # --- fleet -------------------------------------------------------------------
 
@@ -381,6 +329,8 @@ class ConductorState:
         now = self.clock()
         self._release_due(now)
         fleet = self._fleet(request.model_id, exclude)
+        if self.speeds is not None:
+            self.policy.cost_model = self.speeds.cost_model(request.model_id)
         decision = plan_request(
             self.index,
             self.policy,
@@ -401,7 +351,10 @@ class ConductorState:
             blocks=len(request.blocks),
             created_s=now,
             expires_s=now + self.reservation_ttl_s,
+            model_id=request.model_id,
         )
+        if decision.chosen.fetch_blocks == 0:
+            res.sample_tokens = worker.queued_prefill_tokens + prefill_tokens
         if self.policy.optimistic_residency:
             res.optimistic = self._record_optimistic(decision, request)
         self.reservations[res.id] = res
@@ -446,11 +399,14 @@ class ConductorState:
         self._fleets[cache_key] = fleet
         return fleet
 
-    def finish(self, reservation_id: str, outcome: str, promote: bool = True) -> str:
+    def finish(
+        self, reservation_id: str, outcome: str, promote: bool = True, ttft_s: float = 0.0
+    ) -> str:
         """Release a reservation; returns its engine. NotFound if unknown (finished or expired).
 
         On success its optimistic records become index records, unless `promote` is
-        False (the caller is about to record the request's blocks itself).
+        False (the caller is about to record the request's blocks itself), and its
+        measured `ttft_s` (if any) teaches the model's prefill speed.
         """
         if outcome not in OUTCOMES:
             raise InvalidArgument(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
@@ -460,6 +416,8 @@ class ConductorState:
         self._release(res)
         info = self.engines.get(res.engine_id)
         success = outcome == "success"
+        if success and ttft_s > 0 and res.sample_tokens >= 0 and self.speeds is not None:
+            self.speeds.observe(res.model_id, res.sample_tokens, ttft_s * 1e6)
         if success and res.optimistic and info is not None and not publishes_events(info.record):
             self._tell_closed(res, 0.0, resident=True)
             if promote:

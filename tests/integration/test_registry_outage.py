@@ -20,7 +20,8 @@ import grpc
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_conductor.state import OPTIMISTIC_LINGER_S, ConductorState
+from quillcache_conductor.records import OPTIMISTIC_LINGER_S
+from quillcache_conductor.state import ConductorState
 from quillcache_core.errors import NotFound
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index import MemoryIndex

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import random
 
-from quillcache_conductor.state import OPTIMISTIC_LINGER_S, ConductorState
+from quillcache_conductor.records import OPTIMISTIC_LINGER_S
+from quillcache_conductor.state import ConductorState
 from quillcache_core.index import MemoryIndex
 from quillcache_core.model import CostModel
 from quillcache_core.registry import NodeRecord

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from quillcache_conductor.peer_load import ClosedLoad, PeerLoad
+from quillcache_conductor.records import OPTIMISTIC_LINGER_S
 from quillcache_conductor.replica_sync import ReplicaLog, _opened_to_proto, opened_from_proto
-from quillcache_conductor.state import OPTIMISTIC_LINGER_S
 from tests.unit.factories import make_request
 from tests.unit.test_conductor_optimistic import engine_record, make_state
 

@@ -1,0 +1,124 @@
+"""The engines' prefill speed, learned from the TTFT the gateway measures.
+
+The cost model's compute terms (`CostModel`: 45 us a prompt token, 80 us an output
+token, ...) are the seed's defaults, a GPU's order of magnitude. A real fleet is
+whatever it is: vLLM on these CPUs prefills the test model at about 800 us a token.
+Priced at 45, the planner's queue estimate (and the conductor's prefill reservations,
+released when the estimated TTFT has passed) empties twenty times too early, and under
+load requests pile on the engine that holds their prefix.
+
+Each finished request is a sample: the prefill tokens queued on its engine when it was
+planned (its own included: `ahead + own`) against its measured TTFT. A weighted least
+squares fit, with older samples decaying (`half_life` samples), gives the time a queued
+prefill token costs (the slope) beside a fixed part (the intercept: HTTP, scheduling,
+tokenizing, the first decode step). Requests that load blocks from the pool are not
+samples (their TTFT also holds transfers); neither are split requests (their TTFT is
+another engine's prefill).
+
+`scaled` derives the cost model the planner then uses: the learned prefill speed, and
+every other compute term of the engines (queue, decode, hits, the running-decode
+penalty) scaled by the same ratio against the default. Store transfers keep their
+prices: they are bandwidths, not compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+from quillcache_core.model import CostModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelSpeeds", "PrefillSpeed", "scaled"]
+
+# The learned speed stays within this factor of the default either way (a CPU test fleet
+# at time scale 0.02 is 1/50 of it, vLLM on CPU about 20x).
+MAX_FACTOR = 200.0
+
+
+class PrefillSpeed:
+    """Prefill us per queued token for one model's engines, from (tokens, TTFT) samples."""
+
+    def __init__(
+        self, default_us_per_token: float, half_life: float = 64.0, min_samples: float = 16.0
+    ) -> None:
+        if default_us_per_token <= 0:
+            raise ValueError("default_us_per_token must be positive")
+        self.default = float(default_us_per_token)
+        self.min_samples = min_samples
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._s0 = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.samples = 0
+        self.us_per_token = self.default
+        self.intercept_us = 0.0
+
+    def observe(self, tokens: int, ttft_us: float) -> bool:
+        """Add one sample; returns True when the estimate changed."""
+        if tokens < 0 or not (0.0 < ttft_us < math.inf):
+            return False
+        d = self._decay
+        x, y = float(tokens), float(ttft_us)
+        self._s0 = self._s0 * d + 1.0
+        self._sx = self._sx * d + x
+        self._sy = self._sy * d + y
+        self._sxx = self._sxx * d + x * x
+        self._sxy = self._sxy * d + x * y
+        self.samples += 1
+        if self._s0 < self.min_samples:
+            return False
+        mean_x = self._sx / self._s0
+        var_x = self._sxx / self._s0 - mean_x * mean_x
+        # Too little spread in the token counts to tell the slope from the intercept.
+        if mean_x <= 0 or var_x < (0.1 * mean_x) ** 2:
+            return False
+        slope = (self._sxy / self._s0 - mean_x * self._sy / self._s0) / var_x
+        if not slope > 0:
+            return False
+        slope = min(max(slope, self.default / MAX_FACTOR), self.default * MAX_FACTOR)
+        self.intercept_us = max(0.0, self._sy / self._s0 - slope * mean_x)
+        changed = abs(slope - self.us_per_token) > 0.01 * self.us_per_token
+        if changed:
+            self.us_per_token = slope
+        return changed
+
+
+def scaled(base: CostModel, us_per_token: float) -> CostModel:
+    """`base` with its prefill speed at `us_per_token` and the engines' other compute
+    terms scaled alike (see the module docstring)."""
+    factor = us_per_token / base.prefill_us_per_token
+    return dataclasses.replace(
+        base,
+        prefill_us_per_token=us_per_token,
+        queue_us_per_prefill_token=base.queue_us_per_prefill_token * factor,
+        decode_us_per_token=base.decode_us_per_token * factor,
+        running_decode_penalty_us=base.running_decode_penalty_us * factor,
+        hbm_hit_us=base.hbm_hit_us * factor,
+    )
+
+
+class ModelSpeeds:
+    """Per model: its engines' learned prefill speed and the cost model it prices with."""
+
+    def __init__(self, base: CostModel) -> None:
+        self.base = base
+        self.speeds: dict[str, PrefillSpeed] = {}
+        self._cost_models: dict[str, CostModel] = {}
+
+    def cost_model(self, model_id: str) -> CostModel:
+        return self._cost_models.get(model_id, self.base)
+
+    def observe(self, model_id: str, tokens: int, ttft_us: float) -> None:
+        speed = self.speeds.get(model_id)
+        if speed is None:
+            speed = self.speeds[model_id] = PrefillSpeed(self.base.prefill_us_per_token)
+        if speed.observe(tokens, ttft_us):
+            self._cost_models[model_id] = scaled(self.base, speed.us_per_token)
+            logger.debug(
+                "%s: prefill %.1f us a token (+ %.1f ms a request) from %d TTFTs",
+                model_id or "(no model)",
+                speed.us_per_token,
+                speed.intercept_us / 1000,
+                speed.samples,
+            )

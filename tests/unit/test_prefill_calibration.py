@@ -1,0 +1,121 @@
+"""The engines' prefill speed learned from measured TTFTs (`routing/calibrate.py`), and
+the conductor pricing its plans with it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from quillcache_conductor.state import ConductorState
+from quillcache_core.index import MemoryIndex
+from quillcache_core.model import CostModel
+from quillcache_core.routing.calibrate import PrefillSpeed, scaled
+from quillcache_core.routing.planner import CostPlanner
+from tests.unit.factories import MODEL, make_request
+from tests.unit.test_conductor_optimistic import Clock, engine_record
+
+
+def samples(us_per_token: float, intercept_us: float, n: int, seed: int = 0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        tokens = rng.randrange(16, 2000)
+        yield tokens, (intercept_us + us_per_token * tokens) * rng.uniform(0.9, 1.1)
+
+
+def test_the_slope_and_intercept_of_noisy_samples_are_learned():
+    speed = PrefillSpeed(45.0)
+    for tokens, ttft in samples(800.0, 15_000.0, 200):
+        speed.observe(tokens, ttft)
+    assert speed.us_per_token == pytest.approx(800.0, rel=0.08)
+    assert speed.intercept_us == pytest.approx(15_000.0, rel=0.5)
+
+
+def test_the_default_holds_until_enough_samples_with_enough_spread():
+    speed = PrefillSpeed(45.0, min_samples=16)
+    for tokens, ttft in samples(800.0, 0.0, 15):
+        speed.observe(tokens, ttft)
+    assert speed.us_per_token == 45.0  # 15 samples: not yet
+    same = PrefillSpeed(45.0)
+    for _ in range(100):
+        same.observe(512, 400_000.0)  # one prompt length: slope and intercept unknowable
+    assert same.us_per_token == 45.0
+
+
+def test_bad_samples_are_ignored():
+    speed = PrefillSpeed(45.0)
+    for tokens, ttft in [(-1, 10.0), (10, 0.0), (10, float("nan")), (10, float("inf"))]:
+        assert not speed.observe(tokens, ttft)
+    assert speed.samples == 0
+
+
+def test_a_fleet_that_gets_faster_is_followed():
+    speed = PrefillSpeed(45.0, half_life=32)
+    for tokens, ttft in samples(800.0, 5_000.0, 200, seed=1):
+        speed.observe(tokens, ttft)
+    for tokens, ttft in samples(200.0, 5_000.0, 300, seed=2):
+        speed.observe(tokens, ttft)
+    assert speed.us_per_token == pytest.approx(200.0, rel=0.1)
+
+
+def test_the_learned_speed_scales_compute_terms_but_not_transfers():
+    base = CostModel().queue_at_prefill_speed()
+    cm = scaled(base, 450.0)
+    assert cm.prefill_us_per_token == 450.0
+    assert cm.queue_us_per_prefill_token == pytest.approx(450.0)
+    assert cm.decode_us_per_token == pytest.approx(800.0)
+    assert cm.running_decode_penalty_us == pytest.approx(15_000.0)
+    assert cm.cpu_dram_us_per_mb == base.cpu_dram_us_per_mb
+    assert cm.cross_domain_penalty_us == base.cross_domain_penalty_us
+
+
+def make_state(calibrate: bool = True) -> ConductorState:
+    state = ConductorState(
+        MemoryIndex(),
+        CostPlanner(CostModel().queue_at_prefill_speed()),
+        clock=Clock(),
+        rng=random.Random(1),
+        calibrate=calibrate,
+    )
+    for node in ("e0", "e1"):
+        state.engine_joined(engine_record(node, events=False))
+    return state
+
+
+def run(state: ConductorState, us_per_token: float, n: int = 40) -> list[float]:
+    """Plan and finish `n` requests one at a time whose TTFT is the engines' real
+    speed; returns the TTFT each plan estimated."""
+    estimates = []
+    for seed in range(n):
+        request = make_request(8 + seed % 24, seed=1000 + seed)
+        outcome = state.plan(request)
+        estimates.append(outcome.decision.chosen.est_ttft_us)
+        tokens = outcome.decision.recompute_tokens(request)
+        state.finish(
+            outcome.reservation_id, "success", ttft_s=(3_000 + us_per_token * tokens) / 1e6
+        )
+    return estimates
+
+
+def test_the_conductor_prices_plans_at_the_speed_its_engines_show():
+    state = make_state()
+    estimates = run(state, 800.0)
+    first = make_request(8, seed=1000).input_tokens()
+    assert estimates[0] == pytest.approx(45.0 * first, rel=0.1)  # the default at first
+    request = make_request(20, seed=99)
+    tokens = request.input_tokens()
+    outcome = state.plan(request)
+    assert state.speeds.speeds[MODEL].us_per_token == pytest.approx(800.0, rel=0.05)
+    assert outcome.decision.chosen.est_ttft_us == pytest.approx(800.0 * tokens, rel=0.1)
+
+
+def test_nothing_is_learned_without_calibration_nor_from_a_split_request():
+    state = make_state(calibrate=False)
+    run(state, 800.0)
+    assert state.speeds is None
+    assert state.policy.cost_model.prefill_us_per_token == 45
+    learning = make_state()
+    outcome = learning.plan(make_request(8, seed=5))
+    learning.reservations[outcome.reservation_id].sample_tokens = -1  # as a split's
+    learning.finish(outcome.reservation_id, "success", ttft_s=1.0)
+    assert learning.speeds.speeds == {}
