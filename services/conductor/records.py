@@ -28,8 +28,8 @@ class Reservation:
     expires_s: float
     prefill_released: bool = False
     model_id: str = ""
-    # Prefill tokens queued on the engine at plan time, this request's own included: a
-    # sample of the engines' prefill speed once its TTFT is known (-1: not a sample).
+    # The prefill tokens of a request planned on an idle engine with nothing to fetch:
+    # with its TTFT, a sample of the engines' prefill speed (-1: not a sample).
     sample_tokens: int = -1
     # Blocks recorded on the engine at plan time (in the state's overlay); made
     # resident on success, taken back if the request fails or expires.

@@ -353,8 +353,8 @@ class ConductorState:
             expires_s=now + self.reservation_ttl_s,
             model_id=request.model_id,
         )
-        if decision.chosen.fetch_blocks == 0:
-            res.sample_tokens = worker.queued_prefill_tokens + prefill_tokens
+        if worker.inflight_requests == 0 and decision.chosen.fetch_blocks == 0:
+            res.sample_tokens = prefill_tokens
         if self.policy.optimistic_residency:
             res.optimistic = self._record_optimistic(decision, request)
         self.reservations[res.id] = res

@@ -119,3 +119,11 @@ def test_nothing_is_learned_without_calibration_nor_from_a_split_request():
     learning.reservations[outcome.reservation_id].sample_tokens = -1  # as a split's
     learning.finish(outcome.reservation_id, "success", ttft_s=1.0)
     assert learning.speeds.speeds == {}
+
+
+def test_only_requests_planned_on_an_idle_engine_are_samples():
+    state = make_state()
+    outcomes = [state.plan(make_request(8, seed=s)) for s in range(3)]  # 3 on 2 engines
+    for outcome in outcomes:
+        state.finish(outcome.reservation_id, "success", ttft_s=0.5)
+    assert state.speeds.speeds[MODEL].samples == 2

@@ -7,13 +7,14 @@ Priced at 45, the planner's queue estimate (and the conductor's prefill reservat
 released when the estimated TTFT has passed) empties twenty times too early, and under
 load requests pile on the engine that holds their prefix.
 
-Each finished request is a sample: the prefill tokens queued on its engine when it was
-planned (its own included: `ahead + own`) against its measured TTFT. A weighted least
-squares fit, with older samples decaying (`half_life` samples), gives the time a queued
-prefill token costs (the slope) beside a fixed part (the intercept: HTTP, scheduling,
-tokenizing, the first decode step). Requests that load blocks from the pool are not
-samples (their TTFT also holds transfers); neither are split requests (their TTFT is
-another engine's prefill).
+A request planned on an idle engine (no request of any replica's in flight there) is a
+sample: the prefill tokens its plan leaves to compute against its measured TTFT. A
+weighted least squares fit, with older samples decaying (`half_life` samples), gives the
+time a prefill token costs (the slope) beside a fixed part (the intercept: HTTP,
+scheduling, tokenizing, the first decode step). A request planned on a busy engine is no
+sample: its TTFT holds waits behind the others, which the conductor estimates with the
+very speed being learned. Nor are requests that load blocks from the pool (their TTFT
+also holds transfers) or split ones (their TTFT is another engine's prefill).
 
 `scaled` derives the cost model the planner then uses: the learned prefill speed, and
 every other compute term of the engines (queue, decode, hits, the running-decode
