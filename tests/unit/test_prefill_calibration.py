@@ -31,6 +31,13 @@ def test_the_slope_and_intercept_of_noisy_samples_are_learned():
     assert speed.intercept_us == pytest.approx(15_000.0, rel=0.5)
 
 
+def test_stalls_of_seconds_do_not_drag_the_estimate():
+    speed = PrefillSpeed(45.0)
+    for n, (tokens, ttft) in enumerate(samples(800.0, 15_000.0, 200, seed=3)):
+        speed.observe(tokens, ttft + (8e6 if n % 7 == 0 else 0.0))  # every 7th stalls 8 s
+    assert speed.us_per_token == pytest.approx(800.0, rel=0.15)
+
+
 def test_the_default_holds_until_enough_samples_with_enough_spread():
     speed = PrefillSpeed(45.0, min_samples=16)
     for tokens, ttft in samples(800.0, 0.0, 15):
@@ -50,7 +57,7 @@ def test_bad_samples_are_ignored():
 
 
 def test_a_fleet_that_gets_faster_is_followed():
-    speed = PrefillSpeed(45.0, half_life=32)
+    speed = PrefillSpeed(45.0)
     for tokens, ttft in samples(800.0, 5_000.0, 200, seed=1):
         speed.observe(tokens, ttft)
     for tokens, ttft in samples(200.0, 5_000.0, 300, seed=2):

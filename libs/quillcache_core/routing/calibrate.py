@@ -9,9 +9,9 @@ load requests pile on the engine that holds their prefix.
 
 A request planned on an idle engine (no request of any replica's in flight there) is a
 sample: the prefill tokens its plan leaves to compute against its measured TTFT. A
-weighted least squares fit, with older samples decaying (`half_life` samples), gives the
-time a prefill token costs (the slope) beside a fixed part (the intercept: HTTP,
-scheduling, tokenizing, the first decode step). A request planned on a busy engine is no
+robust line through the recent samples (`PrefillSpeed`) gives the time a prefill token
+costs (the slope) beside a fixed part (the intercept: HTTP, scheduling, tokenizing, the
+first decode step). A request planned on a busy engine is no
 sample: its TTFT holds waits behind the others, which the conductor estimates with the
 very speed being learned. Nor are requests that load blocks from the pool (their TTFT
 also holds transfers) or split ones (their TTFT is another engine's prefill).
@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
+from collections import deque
 
 from quillcache_core.model import CostModel
 
@@ -40,17 +42,28 @@ MAX_FACTOR = 200.0
 
 
 class PrefillSpeed:
-    """Prefill us per queued token for one model's engines, from (tokens, TTFT) samples."""
+    """Prefill us per token for one model's engines, from (tokens, TTFT) samples.
+
+    A Theil-Sen fit over the last `window` samples: the median of the slopes between
+    pairs of samples whose token counts differ by at least a tenth of their mean, and the
+    median intercept under it. A stall of seconds (another engine on the same cores, a
+    scheduler hiccup) moves a median by one rank, where it would drag a least-squares
+    line anywhere. Refitted every `every` samples.
+    """
 
     def __init__(
-        self, default_us_per_token: float, half_life: float = 64.0, min_samples: float = 16.0
+        self,
+        default_us_per_token: float,
+        window: int = 64,
+        min_samples: int = 16,
+        every: int = 4,
     ) -> None:
         if default_us_per_token <= 0:
             raise ValueError("default_us_per_token must be positive")
         self.default = float(default_us_per_token)
         self.min_samples = min_samples
-        self._decay = 0.5 ** (1.0 / half_life)
-        self._s0 = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.every = every
+        self._recent: deque[tuple[float, float]] = deque(maxlen=window)
         self.samples = 0
         self.us_per_token = self.default
         self.intercept_us = 0.0
@@ -59,26 +72,26 @@ class PrefillSpeed:
         """Add one sample; returns True when the estimate changed."""
         if tokens < 0 or not (0.0 < ttft_us < math.inf):
             return False
-        d = self._decay
-        x, y = float(tokens), float(ttft_us)
-        self._s0 = self._s0 * d + 1.0
-        self._sx = self._sx * d + x
-        self._sy = self._sy * d + y
-        self._sxx = self._sxx * d + x * x
-        self._sxy = self._sxy * d + x * y
+        self._recent.append((float(tokens), float(ttft_us)))
         self.samples += 1
-        if self._s0 < self.min_samples:
+        if len(self._recent) < self.min_samples or self.samples % self.every:
             return False
-        mean_x = self._sx / self._s0
-        var_x = self._sxx / self._s0 - mean_x * mean_x
+        points = sorted(self._recent)
+        gap = 0.1 * sum(x for x, _ in points) / len(points)
+        slopes = [
+            (y2 - y1) / (x2 - x1)
+            for i, (x1, y1) in enumerate(points)
+            for x2, y2 in points[i + 1 :]
+            if x2 - x1 >= gap and x2 > x1
+        ]
         # Too little spread in the token counts to tell the slope from the intercept.
-        if mean_x <= 0 or var_x < (0.1 * mean_x) ** 2:
+        if len(slopes) < self.min_samples:
             return False
-        slope = (self._sxy / self._s0 - mean_x * self._sy / self._s0) / var_x
+        slope = statistics.median(slopes)
         if not slope > 0:
             return False
         slope = min(max(slope, self.default / MAX_FACTOR), self.default * MAX_FACTOR)
-        self.intercept_us = max(0.0, self._sy / self._s0 - slope * mean_x)
+        self.intercept_us = max(0.0, statistics.median(y - slope * x for x, y in points))
         changed = abs(slope - self.us_per_token) > 0.01 * self.us_per_token
         if changed:
             self.us_per_token = slope
