@@ -28,9 +28,11 @@ class Reservation:
     expires_s: float
     prefill_released: bool = False
     model_id: str = ""
-    # The prefill tokens of a request planned on an idle engine with nothing to fetch:
-    # with its TTFT, a sample of the engines' prefill speed (-1: not a sample).
+    # The prefill tokens of a request planned on an idle engine, and what the default
+    # cost model prices its fetches at: with its TTFT, a sample of the engines' prefill
+    # speed (no fetch) or of the fetch price (-1: not a sample).
     sample_tokens: int = -1
+    sample_fetch_us: float = 0.0
     # Blocks recorded on the engine at plan time (in the state's overlay); made
     # resident on success, taken back if the request fails or expires.
     optimistic: list[CacheResidency] = field(default_factory=list)

@@ -126,6 +126,17 @@ class ConductorServer:
             ],
         )
         m.gauge(
+            "fetch_price_factor",
+            "how many times the default cost model's price a fetch from the pool is priced "
+            "at: learned from measured TTFTs of requests that fetched (1 until enough)",
+            ["model"],
+            read=lambda: (
+                [((model,), speeds.fetch_factor(model)) for model in speeds.fetches]
+                if (speeds := self.state.speeds) is not None
+                else []
+            ),
+        )
+        m.gauge(
             "prefill_samples_total",
             "finished requests whose TTFT taught the model's prefill speed",
             ["model"],

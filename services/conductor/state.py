@@ -353,8 +353,11 @@ class ConductorState:
             expires_s=now + self.reservation_ttl_s,
             model_id=request.model_id,
         )
-        if worker.inflight_requests == 0 and decision.chosen.fetch_blocks == 0:
+        if worker.inflight_requests == 0 and self.speeds is not None:
             res.sample_tokens = prefill_tokens
+            if decision.chosen.fetch_blocks:
+                factor = self.speeds.fetch_factor(request.model_id)
+                res.sample_fetch_us = decision.chosen.fetch_us / factor
         if self.policy.optimistic_residency:
             res.optimistic = self._record_optimistic(decision, request)
         self.reservations[res.id] = res
@@ -417,7 +420,7 @@ class ConductorState:
         info = self.engines.get(res.engine_id)
         success = outcome == "success"
         if success and ttft_s > 0 and res.sample_tokens >= 0 and self.speeds is not None:
-            self.speeds.observe(res.model_id, res.sample_tokens, ttft_s * 1e6)
+            self.speeds.observe(res.model_id, res.sample_tokens, ttft_s * 1e6, res.sample_fetch_us)
         if success and res.optimistic and info is not None and not publishes_events(info.record):
             self._tell_closed(res, 0.0, resident=True)
             if promote:

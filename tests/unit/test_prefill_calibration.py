@@ -3,14 +3,16 @@ the conductor pricing its plans with it."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from quillcache_conductor.state import ConductorState
 from quillcache_core.index import MemoryIndex
-from quillcache_core.model import CostModel
-from quillcache_core.routing.calibrate import PrefillSpeed, scaled
+from quillcache_core.model import CacheResidency, CacheTier, CostModel
+from quillcache_core.registry import NodeRecord
+from quillcache_core.routing.calibrate import FetchPrice, ModelSpeeds, PrefillSpeed, scaled
 from quillcache_core.routing.planner import CostPlanner
 from tests.unit.factories import MODEL, make_request
 from tests.unit.test_conductor_optimistic import Clock, engine_record
@@ -74,6 +76,41 @@ def test_the_learned_speed_scales_compute_terms_but_not_transfers():
     assert cm.running_decode_penalty_us == pytest.approx(15_000.0)
     assert cm.cpu_dram_us_per_mb == base.cpu_dram_us_per_mb
     assert cm.cross_domain_penalty_us == base.cross_domain_penalty_us
+    slow = scaled(base, 450.0, fetch_factor=100.0)
+    assert slow.cpu_dram_us_per_mb == pytest.approx(100 * base.cpu_dram_us_per_mb)
+    assert slow.local_ssd_us_per_mb == pytest.approx(100 * base.local_ssd_us_per_mb)
+    assert slow.cross_domain_penalty_us == pytest.approx(100 * base.cross_domain_penalty_us)
+    assert slow.prefill_us_per_token == 450.0
+
+
+def test_the_fetch_price_is_the_median_factor_once_there_are_enough():
+    price = FetchPrice(min_samples=8)
+    for factor in [100.0] * 7:
+        price.observe(factor)
+    assert price.factor == 1.0
+    for factor in [90.0, 110.0, 5000.0, float("nan")]:
+        price.observe(factor)
+    assert price.factor == pytest.approx(100.0)
+
+
+def test_fetches_are_priced_at_what_they_cost_beyond_the_prefill_line():
+    base = CostModel().queue_at_prefill_speed()
+    speeds = ModelSpeeds(base)
+    speeds.observe(MODEL, 100, 1e6, fetch_us=1000.0)  # no prefill line yet: no sample
+    assert MODEL not in speeds.fetches
+    for tokens, ttft in samples(800.0, 3_000.0, 64, seed=4):
+        speeds.observe(MODEL, tokens, ttft)
+    rng = random.Random(5)
+    for _ in range(16):
+        tokens, fetch_us = rng.randrange(16, 400), rng.uniform(500, 5000)
+        ttft = (3_000 + 800 * tokens + 100 * fetch_us) * rng.uniform(0.95, 1.05)
+        speeds.observe(MODEL, tokens, ttft, fetch_us=fetch_us)
+    assert speeds.fetch_factor(MODEL) == pytest.approx(100.0, rel=0.3)
+    cm = speeds.cost_model(MODEL)
+    assert cm.cpu_dram_us_per_mb == pytest.approx(
+        base.cpu_dram_us_per_mb * speeds.fetch_factor(MODEL)
+    )
+    assert cm.prefill_us_per_token == pytest.approx(800.0, rel=0.08)
 
 
 def make_state(calibrate: bool = True) -> ConductorState:
@@ -134,3 +171,27 @@ def test_only_requests_planned_on_an_idle_engine_are_samples():
     for outcome in outcomes:
         state.finish(outcome.reservation_id, "success", ttft_s=0.5)
     assert state.speeds.speeds[MODEL].samples == 2
+
+
+def test_a_plan_that_fetches_on_an_idle_engine_is_a_sample_of_the_fetch_price():
+    state = ConductorState(
+        MemoryIndex(),
+        CostPlanner(CostModel().queue_at_prefill_speed()),
+        clock=Clock(),
+        rng=random.Random(1),
+    )
+    state.store_joined(NodeRecord(kind="store", id="s0", address="s0:1", locality_domain="rack-a"))
+    record = engine_record("e0", events=False)
+    state.engine_joined(dataclasses.replace(record, store_node="s0"))
+    run(state, 800.0, n=64)  # the prefill line first (one engine: every plan idle)
+    request = make_request(24, seed=7)
+    state.index.put_many(
+        [CacheResidency(k, "s0", CacheTier.CPU_DRAM, request.block_bytes) for k in request.blocks]
+    )
+    outcome = state.plan(request)
+    chosen = outcome.decision.chosen
+    assert chosen.fetch_blocks > 0
+    res = state.reservations[outcome.reservation_id]
+    assert res.sample_fetch_us == pytest.approx(chosen.fetch_us)
+    state.finish(outcome.reservation_id, "success", ttft_s=0.5)
+    assert state.speeds.fetches[MODEL].samples == 1

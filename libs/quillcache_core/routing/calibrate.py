@@ -16,10 +16,17 @@ sample: its TTFT holds waits behind the others, which the conductor estimates wi
 very speed being learned. Nor are requests that load blocks from the pool (their TTFT
 also holds transfers) or split ones (their TTFT is another engine's prefill).
 
+A request planned on an idle engine that loads blocks from the pool teaches the price
+of fetching (`FetchPrice`), once the prefill line is known: what its TTFT holds beyond
+the line's intercept and its recomputed tokens, over what the default cost model prices
+its fetches at, is the factor that price is off by (vLLM's connector on these CPUs
+loads a block from a peer store node in about 6 ms, which the default prices at 55 us).
+The median of the last 32 such factors is used.
+
 `scaled` derives the cost model the planner then uses: the learned prefill speed, and
 every other compute term of the engines (queue, decode, hits, the running-decode
-penalty) scaled by the same ratio against the default. Store transfers keep their
-prices: they are bandwidths, not compute.
+penalty) scaled by the same ratio against the default; every transfer price (the
+tiers' us per MB, the cross-domain penalty) times the learned fetch factor.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from quillcache_core.model import CostModel
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelSpeeds", "PrefillSpeed", "scaled"]
+__all__ = ["FetchPrice", "ModelSpeeds", "PrefillSpeed", "scaled"]
 
 # The learned speed stays within this factor of the default either way (a CPU test fleet
 # at time scale 0.02 is 1/50 of it, vLLM on CPU about 20x).
@@ -67,6 +74,7 @@ class PrefillSpeed:
         self.samples = 0
         self.us_per_token = self.default
         self.intercept_us = 0.0
+        self.fitted = False  # a line was fitted (else the default, no intercept)
 
     def observe(self, tokens: int, ttft_us: float) -> bool:
         """Add one sample; returns True when the estimate changed."""
@@ -92,15 +100,41 @@ class PrefillSpeed:
             return False
         slope = min(max(slope, self.default / MAX_FACTOR), self.default * MAX_FACTOR)
         self.intercept_us = max(0.0, statistics.median(y - slope * x for x, y in points))
+        self.fitted = True
         changed = abs(slope - self.us_per_token) > 0.01 * self.us_per_token
         if changed:
             self.us_per_token = slope
         return changed
 
 
-def scaled(base: CostModel, us_per_token: float) -> CostModel:
-    """`base` with its prefill speed at `us_per_token` and the engines' other compute
-    terms scaled alike (see the module docstring)."""
+class FetchPrice:
+    """How far off the default cost model's fetch prices are: the median of the last
+    `window` measured factors (1 until `min_samples` of them)."""
+
+    def __init__(self, window: int = 32, min_samples: int = 8) -> None:
+        self.min_samples = min_samples
+        self._recent: deque[float] = deque(maxlen=window)
+        self.samples = 0
+        self.factor = 1.0
+
+    def observe(self, factor: float) -> bool:
+        """Add one measured factor; returns True when the estimate changed."""
+        if not math.isfinite(factor):
+            return False
+        self._recent.append(min(max(factor, 1.0 / MAX_FACTOR), MAX_FACTOR))
+        self.samples += 1
+        if len(self._recent) < self.min_samples:
+            return False
+        median = statistics.median(self._recent)
+        changed = abs(median - self.factor) > 0.01 * self.factor
+        if changed:
+            self.factor = median
+        return changed
+
+
+def scaled(base: CostModel, us_per_token: float, fetch_factor: float = 1.0) -> CostModel:
+    """`base` with its prefill speed at `us_per_token`, the engines' other compute terms
+    scaled alike and its transfer prices times `fetch_factor` (see the module docstring)."""
     factor = us_per_token / base.prefill_us_per_token
     return dataclasses.replace(
         base,
@@ -109,30 +143,54 @@ def scaled(base: CostModel, us_per_token: float) -> CostModel:
         decode_us_per_token=base.decode_us_per_token * factor,
         running_decode_penalty_us=base.running_decode_penalty_us * factor,
         hbm_hit_us=base.hbm_hit_us * factor,
+        remote_hbm_us_per_mb=base.remote_hbm_us_per_mb * fetch_factor,
+        cpu_dram_us_per_mb=base.cpu_dram_us_per_mb * fetch_factor,
+        local_ssd_us_per_mb=base.local_ssd_us_per_mb * fetch_factor,
+        object_store_us_per_mb=base.object_store_us_per_mb * fetch_factor,
+        cross_domain_penalty_us=base.cross_domain_penalty_us * fetch_factor,
     )
 
 
 class ModelSpeeds:
-    """Per model: its engines' learned prefill speed and the cost model it prices with."""
+    """Per model: its engines' learned prefill speed and fetch price, and the cost model
+    it prices with."""
 
     def __init__(self, base: CostModel) -> None:
         self.base = base
         self.speeds: dict[str, PrefillSpeed] = {}
+        self.fetches: dict[str, FetchPrice] = {}
         self._cost_models: dict[str, CostModel] = {}
 
     def cost_model(self, model_id: str) -> CostModel:
         return self._cost_models.get(model_id, self.base)
 
-    def observe(self, model_id: str, tokens: int, ttft_us: float) -> None:
+    def fetch_factor(self, model_id: str) -> float:
+        price = self.fetches.get(model_id)
+        return price.factor if price is not None else 1.0
+
+    def observe(self, model_id: str, tokens: int, ttft_us: float, fetch_us: float = 0.0) -> None:
+        """One sample: `tokens` recomputed, `ttft_us` measured and, for a request that
+        loaded blocks, `fetch_us` (> 0) what the default cost model prices its fetches at."""
         speed = self.speeds.get(model_id)
         if speed is None:
             speed = self.speeds[model_id] = PrefillSpeed(self.base.prefill_us_per_token)
-        if speed.observe(tokens, ttft_us):
-            self._cost_models[model_id] = scaled(self.base, speed.us_per_token)
+        if fetch_us <= 0:
+            changed = speed.observe(tokens, ttft_us)
+        else:
+            if not speed.fitted:
+                return
+            price = self.fetches.get(model_id)
+            if price is None:
+                price = self.fetches[model_id] = FetchPrice()
+            over = ttft_us - speed.intercept_us - speed.us_per_token * tokens
+            changed = price.observe(over / fetch_us)
+        if changed:
+            factor = self.fetch_factor(model_id)
+            self._cost_models[model_id] = scaled(self.base, speed.us_per_token, factor)
             logger.debug(
-                "%s: prefill %.1f us a token (+ %.1f ms a request) from %d TTFTs",
+                "%s: prefill %.1f us a token (+ %.1f ms a request), fetches at %.2fx",
                 model_id or "(no model)",
                 speed.us_per_token,
                 speed.intercept_us / 1000,
-                speed.samples,
+                factor,
             )
