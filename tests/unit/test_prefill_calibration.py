@@ -195,3 +195,16 @@ def test_a_plan_that_fetches_on_an_idle_engine_is_a_sample_of_the_fetch_price():
     assert res.sample_fetch_us == pytest.approx(chosen.fetch_us)
     state.finish(outcome.reservation_id, "success", ttft_s=0.5)
     assert state.speeds.fetches[MODEL].samples == 1
+
+
+def test_a_long_prefill_is_priced_at_what_long_prefills_cost():
+    """On a CPU attention makes a long prompt's tokens dearer: the line must price the
+    long prefills (which make the queues) near their cost, not at a short one's rate."""
+    speed = PrefillSpeed(45.0)
+    rng = random.Random(6)
+    cost = lambda x: 15_000 + 50 * x + 0.5 * x * x  # noqa: E731
+    for _ in range(64):
+        x = rng.choice([rng.randrange(16, 200), rng.randrange(800, 2000)])
+        speed.observe(x, cost(x) * rng.uniform(0.9, 1.1))
+    for x in (1200, 1800):  # the long prompts' range
+        assert speed.intercept_us + speed.us_per_token * x == pytest.approx(cost(x), rel=0.3)

@@ -51,11 +51,14 @@ MAX_FACTOR = 200.0
 class PrefillSpeed:
     """Prefill us per token for one model's engines, from (tokens, TTFT) samples.
 
-    A Theil-Sen fit over the last `window` samples: the median of the slopes between
-    pairs of samples whose token counts differ by at least a tenth of their mean, and the
-    median intercept under it. A stall of seconds (another engine on the same cores, a
-    scheduler hiccup) moves a median by one rank, where it would drag a least-squares
-    line anywhere. Refitted every `every` samples.
+    A Theil-Sen fit over the last `window` samples: the median of the slopes between a
+    sample of the shorter half and one of the longer half (token counts at least a tenth
+    of their mean apart), and the median intercept under it. A stall of seconds (another
+    engine on the same cores, a scheduler hiccup) moves a median by one rank, where it
+    would drag a least-squares line anywhere. Pairing short with long measures what a
+    long prefill costs a token: on a CPU, attention makes a token of a long prompt
+    dearer than one of a short prompt, and the queue a long prefill makes is what the
+    planner must not underestimate. Refitted every `every` samples.
     """
 
     def __init__(
@@ -86,10 +89,11 @@ class PrefillSpeed:
             return False
         points = sorted(self._recent)
         gap = 0.1 * sum(x for x, _ in points) / len(points)
+        half = len(points) // 2
         slopes = [
             (y2 - y1) / (x2 - x1)
-            for i, (x1, y1) in enumerate(points)
-            for x2, y2 in points[i + 1 :]
+            for x1, y1 in points[:half]
+            for x2, y2 in points[half:]
             if x2 - x1 >= gap and x2 > x1
         ]
         # Too little spread in the token counts to tell the slope from the intercept.
