@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 def _warm_up(target: Target, workload: str, system: str, scale: float) -> None:
     """A few short requests of the workload through `system` first (unmeasured): its
     connections, and on a split the engines' data-port connections, are up before the
-    measured run, so a run's first seconds measure no handshakes. Every system alike."""
+    measured run, so a run's first seconds measure no handshakes. Every system alike:
+    before each decode run, and before every run on real vLLM engines."""
     sessions = make_sessions(workload, 8, 8.0, 0, f"warm-{system}", size_scale=scale)
     short = [replace(s, turns=tuple(replace(t, max_tokens=8) for t in s.turns)) for s in sessions]
     asyncio.run(drive(target, short, cutoff_s=20.0))
@@ -420,7 +421,9 @@ def _run(
     args, system, workload, load, rate, duration, target, engines, pids, ours_all, label
 ) -> tuple[dict, dict]:
     scale = args.prompt_scale or (0.12 if args.engine == "vllm" else 1.0)
-    if workload in ITL_WORKLOADS:
+    # Real vLLM engines are slow for their first requests after a start: without this,
+    # the first system's first run (QuillCache's) would pay for everyone.
+    if workload in ITL_WORKLOADS or args.engine == "vllm":
         _warm_up(target, workload, system, scale)
     for engine in engines:
         engine.reset_cache()
