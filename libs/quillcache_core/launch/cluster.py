@@ -367,7 +367,8 @@ class LocalCluster:
             "vllm",
             argv,
             self.data_dir / "logs" / f"{name}.log",
-            env=vllm_engine.serve_env(tls),
+            # The machine's cores shared out between its engines.
+            env=vllm_engine.serve_env(tls, threads=max(1, (os.cpu_count() or 1) // self.engines)),
         )
         child.fields = {"http": f"{scheme}://127.0.0.1:{port}"}
         _spawn(child)

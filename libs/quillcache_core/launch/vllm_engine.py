@@ -116,10 +116,14 @@ def connector_config(extra: dict) -> dict:
     }
 
 
-def serve_env(tls: Tls | None = None) -> dict[str, str]:
+def serve_env(tls: Tls | None = None, threads: int = 0) -> dict[str, str]:
     """vLLM's environment; with `tls`, the engine credential as its API key (vLLM then
-    demands it on /v1)."""
+    demands it on /v1); with `threads`, that many compute threads (vLLM's CPU worker
+    otherwise takes one per core, and engines sharing a machine's cores then spin
+    against each other)."""
     env = {**os.environ, **VLLM_ENV}
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
     if tls is not None:
         env["VLLM_API_KEY"] = tls.engine_key()
     return env
