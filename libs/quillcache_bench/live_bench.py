@@ -41,7 +41,8 @@ decode steps, prefills stalling decodes as in vLLM without chunked prefill), at
 (mean, p50, p99 over every gap between a stream's content chunks) and the goal of
 issue 21 (split ITL p99 <= 0.7x colocated, mean TTFT <= 1.1x). With `--quick` it runs
 only QuillCache's two rows and sglang-router cache_aware.
-Writes bench/results/live-<UTC>.json, live-latest.json and live-latest.png.
+Writes bench/results/live-<UTC>.json, live-latest.json and live-latest.png (with
+`--engine vllm`: live-vllm-<UTC>.json, live-vllm-latest.json and live-vllm-latest.png).
 """
 
 from __future__ import annotations
@@ -502,10 +503,12 @@ def _report(args, runs, details, rates, decode_rates, duration, elapsed) -> None
             "elapsed_s": round(elapsed, 1),
         },
     }
-    path = write_results("live", payload, args.out_dir)
+    # Real vLLM's runs keep their own name: live-latest is the sim engines' run.
+    name = "live" if args.engine == "sim" else "live-vllm"
+    path = write_results(name, payload, args.out_dir)
     png = plot(runs, path.with_suffix(".png"))
-    shutil.copy(png, png.with_name("live-latest.png"))
-    print(f"\nwrote {path} and {png} (also live-latest.*) in {elapsed:.0f}s")
+    shutil.copy(png, png.with_name(f"{name}-latest.png"))
+    print(f"\nwrote {path} and {png} (also {name}-latest.*) in {elapsed:.0f}s")
 
 
 if __name__ == "__main__":
