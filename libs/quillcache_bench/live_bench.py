@@ -450,6 +450,7 @@ def _run(
         "quillcache_processes_cpu_s": round(all1 - all0, 3),
         "first_errors": [s.error for s in samples if s.error][:3],
     }
+    detail["slowest"] = _slowest(samples)
     plans = Counter(s.disagg for s in samples if s.disagg)
     if plans:  # how QuillCache carried the requests out: split, colocated, fallback
         detail["disagg_plans"] = dict(plans)
@@ -461,6 +462,24 @@ def _run(
             mean(s.ttft_s * 1000 - s.prefill_ms for s in split), 1
         )
     return figures, detail
+
+
+def _slowest(samples: list, count: int = 3) -> list[dict]:
+    """The run's slowest first tokens: when each was sent (seconds into the run), its
+    TTFT, and for QuillCache the plan's headers (engine, hit, fetch and recompute blocks,
+    estimated TTFT): what a mean dominated by a few seconds-long TTFTs is made of."""
+    timed = [s for s in samples if s.ok and s.ttft_s is not None]
+    if not timed:
+        return []
+    start = min(s.sent_s for s in samples)
+    return [
+        {
+            "sent_at_s": round(s.sent_s - start, 2),
+            "ttft_ms": round(s.ttft_s * 1000, 1),
+            **s.plan,
+        }
+        for s in sorted(timed, key=lambda s: s.ttft_s, reverse=True)[:count]
+    ]
 
 
 def _report(args, runs, details, rates, decode_rates, duration, elapsed) -> None:

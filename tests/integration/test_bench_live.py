@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from quillcache_bench.live_bench import _slowest
 from quillcache_bench.live_report import FIELDS, goals, summarise, table
 from quillcache_bench.live_systems import Engine, start_router, tree_cpu_s
 from quillcache_bench.live_workloads import Target, drive, make_sessions
@@ -73,6 +74,11 @@ def test_a_tiny_run_through_the_real_sglang_router(tmp_path: Path) -> None:
     assert json.loads(json.dumps({"runs": runs})) == {"runs": runs}
     assert "sglang-router-round_robin" in table(runs)
     assert goals(runs) == []  # no quillcache row, no goal to judge
+    slowest = _slowest(samples, 2)  # the run's details name its slowest first tokens
+    assert [s["ttft_ms"] for s in slowest] == sorted(
+        (round(s.ttft_s * 1000, 1) for s in samples), reverse=True
+    )[:2]
+    assert all(s["sent_at_s"] >= 0 for s in slowest)
 
 
 def test_a_sim_engine_takes_new_settings_in_place(tmp_path: Path) -> None:
