@@ -12,6 +12,8 @@ same request on one engine, token for token, and so does its first streamed toke
 from __future__ import annotations
 
 import json
+import os
+import re
 import ssl
 import urllib.request
 
@@ -147,3 +149,19 @@ def test_a_split_request_decodes_from_the_pool_and_equals_a_colocated_run(
     # engine-1 loaded the prompt's KV (16-token store blocks) instead of computing it
     assert loaded_now >= 2 * (blocks - 1)
     assert cached >= ENGINE_BLOCK * (blocks - 1)
+
+
+def test_the_two_engines_compute_on_their_own_cores(pd_fleet):
+    """vLLM's CPU worker binds a thread to every core unless told which: two engines on
+    one machine would then compute on the same cores. What each engine bound, from the
+    binding it logs at start."""
+    cluster, _ = pd_fleet
+    bound = []
+    for name in ("engine-0", "engine-1"):
+        log = (cluster.data_dir / "logs" / f"{name}.log").read_text(errors="replace")
+        found = re.findall(r"local_rank=0, core ids=\[([\d, ]*)\]", log)
+        assert found, f"{name} logged no thread binding"
+        bound.append({int(c) for c in found[-1].split(",")})
+    assert bound[0] and bound[1]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not bound[0] & bound[1], f"both engines on cores {bound[0] & bound[1]}"

@@ -368,7 +368,7 @@ class LocalCluster:
             argv,
             self.data_dir / "logs" / f"{name}.log",
             # The machine's cores shared out between its engines.
-            env=vllm_engine.serve_env(tls, threads=max(1, (os.cpu_count() or 1) // self.engines)),
+            env=vllm_engine.serve_env(tls, cores=vllm_engine.engine_cores(i, self.engines)),
         )
         child.fields = {"http": f"{scheme}://127.0.0.1:{port}"}
         _spawn(child)

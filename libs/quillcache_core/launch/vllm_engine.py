@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import ssl
+from collections.abc import Sequence
 from pathlib import Path
 
 from quillcache_core.security.tls import Tls
@@ -116,14 +117,28 @@ def connector_config(extra: dict) -> dict:
     }
 
 
-def serve_env(tls: Tls | None = None, threads: int = 0) -> dict[str, str]:
+def engine_cores(index: int, engines: int, cores: Sequence[int] | None = None) -> list[int]:
+    """The cores engine `index` of `engines` on this machine computes on: the machine's
+    cores (this process's affinity) shared out in equal runs, one core each when there
+    are more engines than cores (then engines share cores round the list)."""
+    cores = sorted(os.sched_getaffinity(0) if cores is None else cores)
+    if engines <= 0 or index < 0:
+        raise ValueError(f"engine {index} of {engines}")
+    share = len(cores) // engines
+    if share == 0:
+        return [cores[index % len(cores)]]
+    return cores[index * share : (index + 1) * share]
+
+
+def serve_env(tls: Tls | None = None, cores: Sequence[int] = ()) -> dict[str, str]:
     """vLLM's environment; with `tls`, the engine credential as its API key (vLLM then
-    demands it on /v1); with `threads`, that many compute threads (vLLM's CPU worker
-    otherwise takes one per core, and engines sharing a machine's cores then spin
-    against each other)."""
+    demands it on /v1); with `cores`, its compute threads bound to those cores, one a
+    core (VLLM_CPU_OMP_THREADS_BIND). Without it vLLM's CPU worker binds a thread to
+    every core of the machine, whatever OMP_NUM_THREADS says, and two engines on one
+    machine then compute on the same cores against each other."""
     env = {**os.environ, **VLLM_ENV}
-    if threads > 0:
-        env["OMP_NUM_THREADS"] = str(threads)
+    if cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
     if tls is not None:
         env["VLLM_API_KEY"] = tls.engine_key()
     return env

@@ -1,0 +1,41 @@
+"""How `quillcache up --engine vllm` shares a machine's cores out between vLLM engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from quillcache_core.launch.vllm_engine import engine_cores, serve_env
+
+
+@pytest.mark.parametrize(
+    ("engines", "expected"),
+    [
+        (1, [[0, 1, 2, 3]]),
+        (2, [[0, 1], [2, 3]]),
+        (3, [[0], [1], [2]]),  # the fourth core is left to everything else
+        (4, [[0], [1], [2], [3]]),
+        (6, [[0], [1], [2], [3], [0], [1]]),  # more engines than cores: round the list
+    ],
+)
+def test_each_engine_gets_its_own_run_of_cores(engines, expected):
+    assert [engine_cores(i, engines, [0, 1, 2, 3]) for i in range(engines)] == expected
+
+
+def test_cores_follow_the_machine_s_affinity_not_their_numbers():
+    assert engine_cores(1, 2, [4, 7, 2, 9]) == [7, 9]
+
+
+def test_a_bad_engine_index_is_refused():
+    with pytest.raises(ValueError):
+        engine_cores(0, 0, [0, 1])
+
+
+def test_the_binding_goes_to_vllm_s_own_variable():
+    env = serve_env(cores=[2, 3])
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
+    assert "VLLM_API_KEY" not in env
+
+
+def test_without_cores_vllm_binds_as_it_likes(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in serve_env()
