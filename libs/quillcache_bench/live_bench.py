@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     )  # fmt: skip
                     if router is None:
                         detail["gateway_plan_fallbacks"] = _fallbacks(endpoints) - fallbacks0
+                        detail["conductors_learned"] = _learned(endpoints)
                     results.setdefault((workload, load), {})[system] = figures
                     details.setdefault((workload, load), {})[system] = detail
                     itl = (
@@ -366,6 +367,29 @@ def _fallbacks(endpoints: dict) -> float:
     except (OSError, ValueError, KeyError):
         return -1.0
     return metric_sum(text, "quillcache_gateway_plan_fallbacks_total")
+
+
+LEARNED = {
+    "prefill_us_per_token": "quillcache_prefill_us_per_token",
+    "prefill_samples": "quillcache_prefill_samples_total",
+    "fetch_price_factor": "quillcache_fetch_price_factor",
+}
+
+
+def _learned(endpoints: dict) -> dict[str, dict[str, float]]:
+    """What each conductor replica has learned of the engines so far (its /metrics):
+    the prefill speed its plans are priced at, from how many samples, and the fetch
+    price factor."""
+    found = {}
+    for name, url in endpoints["metrics"].items():
+        if not name.startswith("conductor"):
+            continue
+        try:
+            text = metric_text(url, operator_context(endpoints))
+        except (OSError, ValueError):
+            continue
+        found[name] = {key: metric_sum(text, metric) for key, metric in LEARNED.items()}
+    return found
 
 
 def _start_cluster(args, data_dir: Path):
