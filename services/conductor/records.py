@@ -28,10 +28,13 @@ class Reservation:
     expires_s: float
     prefill_released: bool = False
     model_id: str = ""
-    # The prefill tokens of a request planned on an idle engine, and what the default
-    # cost model prices its fetches at: with its TTFT, a sample of the engines' prefill
-    # speed (no fetch) or of the fetch price (-1: not a sample).
+    # The prefill tokens of a request, the prefill tokens queued ahead of it on its
+    # engine when it was planned (counted by the reservations, every replica's), and,
+    # for one planned on an idle engine that fetches, what the default cost model prices
+    # its fetches at: with its TTFT, a sample of the engines' prefill speed (no fetch)
+    # or of the fetch price (-1: not a sample).
     sample_tokens: int = -1
+    sample_ahead: int = 0
     sample_fetch_us: float = 0.0
     # Blocks recorded on the engine at plan time (in the state's overlay); made
     # resident on success, taken back if the request fails or expires.

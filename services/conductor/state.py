@@ -353,9 +353,13 @@ class ConductorState:
             expires_s=now + self.reservation_ttl_s,
             model_id=request.model_id,
         )
-        if worker.inflight_requests == 0 and self.speeds is not None:
-            res.sample_tokens = prefill_tokens
-            if decision.chosen.fetch_blocks:
+        if self.speeds is not None:
+            if not decision.chosen.fetch_blocks:
+                # Its TTFT is the prefill of its own tokens and of those queued ahead.
+                res.sample_tokens = prefill_tokens
+                res.sample_ahead = worker.queued_prefill_tokens
+            elif worker.inflight_requests == 0:  # transfers alone beyond the line
+                res.sample_tokens = prefill_tokens
                 factor = self.speeds.fetch_factor(request.model_id)
                 res.sample_fetch_us = decision.chosen.fetch_us / factor
         if self.policy.optimistic_residency:
@@ -365,10 +369,13 @@ class ConductorState:
         worker.running_decodes += 1
         worker.queued_prefill_tokens += prefill_tokens
         worker.inflight_blocks += res.blocks
-        heapq.heappush(self._prefill_due, (now + decision.chosen.est_ttft_us / 1e6, res.id))
+        est_ttft_s = decision.chosen.est_ttft_us / 1e6
+        if self.speeds is not None:  # the fixed part of a TTFT the engines showed
+            est_ttft_s += self.speeds.intercept_us(request.model_id) / 1e6
+        heapq.heappush(self._prefill_due, (now + est_ttft_s, res.id))
         heapq.heappush(self._expiry, (res.expires_s, res.id))
         if self.listener is not None:
-            self.listener.opened(res, decision.chosen.est_ttft_us / 1e6)
+            self.listener.opened(res, est_ttft_s)
         return PlanOutcome(res.id, decision)
 
     def _fleet(self, model_id: str, exclude: Sequence[str]) -> Fleet:
@@ -420,7 +427,12 @@ class ConductorState:
         info = self.engines.get(res.engine_id)
         success = outcome == "success"
         if success and ttft_s > 0 and res.sample_tokens >= 0 and self.speeds is not None:
-            self.speeds.observe(res.model_id, res.sample_tokens, ttft_s * 1e6, res.sample_fetch_us)
+            self.speeds.observe(
+                res.model_id,
+                res.sample_ahead + res.sample_tokens,
+                ttft_s * 1e6,
+                res.sample_fetch_us,
+            )
         if success and res.optimistic and info is not None and not publishes_events(info.record):
             self._tell_closed(res, 0.0, resident=True)
             if promote:

@@ -165,12 +165,44 @@ def test_nothing_is_learned_without_calibration_nor_from_a_split_request():
     assert learning.speeds.speeds == {}
 
 
-def test_only_requests_planned_on_an_idle_engine_are_samples():
+def test_a_busy_engine_s_request_is_a_sample_counted_with_the_tokens_queued_ahead():
     state = make_state()
     outcomes = [state.plan(make_request(8, seed=s)) for s in range(3)]  # 3 on 2 engines
+    reservations = [state.reservations[o.reservation_id] for o in outcomes]
+    first, _, third = reservations
+    assert [r.sample_ahead for r in reservations[:2]] == [0, 0]  # each alone on its engine
+    ahead = [r for r in reservations[:2] if r.engine_id == third.engine_id]
+    assert third.sample_ahead == ahead[0].prefill_tokens == first.prefill_tokens
     for outcome in outcomes:
         state.finish(outcome.reservation_id, "success", ttft_s=0.5)
-    assert state.speeds.speeds[MODEL].samples == 2
+    assert state.speeds.speeds[MODEL].samples == 3
+
+
+def test_the_speed_is_learned_under_load_from_what_waits_ahead():
+    """One engine prefilling its requests in order at 150 us a token plus 5 ms each,
+    under a load that keeps a queue: the conductor, which counts the tokens queued ahead
+    of each request (released at the TTFT it estimates with the speed being learned),
+    learns about that speed and prices a queued engine near what it costs."""
+    state = ConductorState(
+        MemoryIndex(),
+        CostPlanner(CostModel().queue_at_prefill_speed()),
+        clock=Clock(),
+        rng=random.Random(1),
+    )
+    state.engine_joined(engine_record("e0", events=False))
+    rng = random.Random(8)
+    busy_until, pending = state.clock.now, []
+    for seed in range(300):
+        state.clock.now += rng.expovariate(1 / 0.12)  # about 8 requests a second
+        for done_at, reservation, ttft in [p for p in pending if p[0] <= state.clock.now]:
+            state.finish(reservation, "success", ttft_s=ttft)
+            pending.remove((done_at, reservation, ttft))
+        request = make_request(rng.randrange(4, 64), seed=10_000 + seed)
+        outcome = state.plan(request)
+        tokens = outcome.decision.recompute_tokens(request)
+        busy_until = max(busy_until, state.clock.now) + 0.005 + 150e-6 * tokens
+        pending.append((busy_until, outcome.reservation_id, busy_until - state.clock.now))
+    assert state.speeds.speeds[MODEL].us_per_token == pytest.approx(150.0, rel=0.35)
 
 
 def test_a_plan_that_fetches_on_an_idle_engine_is_a_sample_of_the_fetch_price():

@@ -2,19 +2,27 @@
 
 The cost model's compute terms (`CostModel`: 45 us a prompt token, 80 us an output
 token, ...) are the seed's defaults, a GPU's order of magnitude. A real fleet is
-whatever it is: vLLM on these CPUs prefills the test model at about 800 us a token.
+whatever it is: vLLM on these CPUs prefills the test model at 130-800 us a token (a
+core to itself, or two cores shared with another engine).
 Priced at 45, the planner's queue estimate (and the conductor's prefill reservations,
 released when the estimated TTFT has passed) empties twenty times too early, and under
 load requests pile on the engine that holds their prefix.
 
-A request planned on an idle engine (no request of any replica's in flight there) is a
-sample: the prefill tokens its plan leaves to compute against its measured TTFT. A
-robust line through the recent samples (`PrefillSpeed`) gives the time a prefill token
-costs (the slope) beside a fixed part (the intercept: HTTP, scheduling, tokenizing, the
-first decode step). A request planned on a busy engine is no
-sample: its TTFT holds waits behind the others, which the conductor estimates with the
-very speed being learned. Nor are requests that load blocks from the pool (their TTFT
-also holds transfers) or split ones (their TTFT is another engine's prefill).
+Every request that loads nothing from the pool is a sample: the prefill tokens it left
+to compute plus those queued ahead of it on its engine when it was planned (counted by
+the reservations of every replica, not estimated), against its measured TTFT. An engine
+batches the prefills it holds (vLLM's chunked prefill), so a request's first token waits
+for about the tokens ahead of it and its own; and a busy engine's samples are the ones
+that spread the token counts out. A robust line through the recent samples
+(`PrefillSpeed`) gives the time a prefill token costs (the slope) beside a fixed part
+(the intercept: HTTP, scheduling, tokenizing, the first decode step), which the
+conductor adds to a plan's estimated TTFT when it releases the plan's queued prefill.
+The count ahead is what the reservations still hold, released at those estimated TTFTs:
+a speed learned too low releases them early, so the later samples show fewer tokens
+ahead for their wait and raise it (too high, the reverse). Split requests are no samples
+(their TTFT is another engine's prefill). (The first design took samples only from idle
+engines: on vLLM here their TTFTs were mostly the intercept and its noise, and the slope
+read 4-49 us a token where a 1,024-token prefill alone costs about 160 us a token.)
 
 A request planned on an idle engine that loads blocks from the pool teaches the price
 of fetching (`FetchPrice`), once the prefill line is known: what its TTFT holds beyond
@@ -167,6 +175,11 @@ class ModelSpeeds:
 
     def cost_model(self, model_id: str) -> CostModel:
         return self._cost_models.get(model_id, self.base)
+
+    def intercept_us(self, model_id: str) -> float:
+        """The fixed part of the model's TTFTs (0 until a line is fitted)."""
+        speed = self.speeds.get(model_id)
+        return speed.intercept_us if speed is not None and speed.fitted else 0.0
 
     def fetch_factor(self, model_id: str) -> float:
         price = self.fetches.get(model_id)
