@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     done += 1
                     label = f"[{done}/{total}] {system} {workload}/{load}"
                     fallbacks0 = _fallbacks(endpoints)
+                    stages0 = _gateway_stages(endpoints) if router is None else {}
                     _shape(args, engines, baseline, system, workload)
                     timed = workload in ITL_WORKLOADS
                     rate = decode_rates[load] if timed else rates[load]
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                     if router is None:
                         detail["gateway_plan_fallbacks"] = _fallbacks(endpoints) - fallbacks0
                         detail["conductors_learned"] = _learned(endpoints)
+                        detail["gateway_stages_ms"] = _stage_means(
+                            stages0, _gateway_stages(endpoints)
+                        )
                     results.setdefault((workload, load), {})[system] = figures
                     details.setdefault((workload, load), {})[system] = detail
                     itl = (
@@ -367,6 +371,38 @@ def _fallbacks(endpoints: dict) -> float:
     except (OSError, ValueError, KeyError):
         return -1.0
     return metric_sum(text, "quillcache_gateway_plan_fallbacks_total")
+
+
+# Where a request's time went in the gateway, from its /metrics: (sum, count) metrics.
+STAGES = {
+    "prepare": ("gateway_prepare_seconds_sum", "gateway_ttft_seconds_count"),
+    "plan": ("gateway_plan_seconds_sum", "gateway_plan_seconds_count"),
+    "engine_head": ("gateway_engine_head_seconds_sum", "gateway_engine_head_seconds_count"),
+    "first_byte": ("gateway_ttft_seconds_sum", "gateway_ttft_seconds_count"),
+}
+
+
+def _gateway_stages(endpoints: dict) -> dict[str, float]:
+    """The gateway's stage sums and counts so far (empty if /metrics cannot be read)."""
+    try:
+        text = metric_text(endpoints["metrics"]["gateway"], operator_context(endpoints))
+    except (OSError, ValueError, KeyError):
+        return {}
+    names = {name for pair in STAGES.values() for name in pair}
+    return {name: metric_sum(text, f"quillcache_{name}") for name in names}
+
+
+def _stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per stage, its mean over the run in ms: from the arrival to the Plan call
+    (read, validate, tokenize, hash), the Plan call, the engine's answer head, and the
+    first byte of the answer from the arrival (the gateway's own TTFT)."""
+    means = {}
+    for stage, (total, count) in STAGES.items():
+        if total in before and total in after:
+            n = after[count] - before[count]
+            if n > 0:
+                means[stage] = round(1000 * (after[total] - before[total]) / n, 2)
+    return means
 
 
 LEARNED = {
