@@ -20,6 +20,7 @@ import urllib.request
 import pytest
 
 from quillcache_core.launch.cluster import LocalCluster
+from quillcache_core.launch.vllm_engine import VLLM_NICE
 from tests.e2e.test_vllm import env, post, text  # noqa: F401 - env is the fixture
 from tests.e2e.test_vllm_connector import connector
 from tests.support.cluster import tenant_context
@@ -165,3 +166,14 @@ def test_the_two_engines_compute_on_their_own_cores(pd_fleet):
     assert bound[0] and bound[1]
     if len(os.sched_getaffinity(0)) >= 2:
         assert not bound[0] & bound[1], f"both engines on cores {bound[0] & bound[1]}"
+
+
+def test_the_engines_give_way_to_the_control_processes(pd_fleet):
+    """On one machine the gateway and conductors go first: the engines run niced."""
+    cluster, _ = pd_fleet
+    engines = [c for c in cluster.children if c.name in ("engine-0", "engine-1")]
+    assert len(engines) == 2
+    for child in engines:
+        assert os.getpriority(os.PRIO_PROCESS, child.proc.pid) == VLLM_NICE
+    gateway = next(c for c in cluster.children if c.name == "gateway")
+    assert os.getpriority(os.PRIO_PROCESS, gateway.proc.pid) == os.getpriority(os.PRIO_PROCESS, 0)

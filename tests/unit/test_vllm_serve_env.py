@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quillcache_core.launch.vllm_engine import engine_cores, serve_env
+from quillcache_core.launch.vllm_engine import engine_cores, niced, serve_env
 
 
 @pytest.mark.parametrize(
@@ -39,3 +39,8 @@ def test_the_binding_goes_to_vllm_s_own_variable():
 def test_without_cores_vllm_binds_as_it_likes(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert "VLLM_CPU_OMP_THREADS_BIND" not in serve_env()
+
+
+def test_an_engine_s_command_runs_niced():
+    assert niced(["vllm", "serve"], 10) == ["nice", "-n", "10", "vllm", "serve"]
+    assert niced(["vllm", "serve"], 0) == ["vllm", "serve"]

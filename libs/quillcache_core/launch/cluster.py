@@ -365,7 +365,7 @@ class LocalCluster:
         child = Child(
             name,
             "vllm",
-            argv,
+            vllm_engine.niced(argv),
             self.data_dir / "logs" / f"{name}.log",
             # The machine's cores shared out between its engines.
             env=vllm_engine.serve_env(tls, cores=vllm_engine.engine_cores(i, self.engines)),

@@ -117,6 +117,18 @@ def connector_config(extra: dict) -> dict:
     }
 
 
+# The niceness `quillcache up` starts vLLM servers at. A fleet's control processes (the
+# gateway, the conductors, a router) never share a CPU with its engines; where they must
+# (a local cluster on a few cores), they go first, as vLLM itself keeps a core for its
+# own frontend when it has cores to spare.
+VLLM_NICE = 10
+
+
+def niced(argv: Sequence[str], nice: int = VLLM_NICE) -> list[str]:
+    """`argv` run at niceness `nice` (coreutils' nice)."""
+    return ["nice", "-n", str(nice), *argv] if nice else list(argv)
+
+
 def engine_cores(index: int, engines: int, cores: Sequence[int] | None = None) -> list[int]:
     """The cores engine `index` of `engines` on this machine computes on: the machine's
     cores (this process's affinity) shared out in equal runs, one core each when there
