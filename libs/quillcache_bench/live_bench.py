@@ -233,8 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 for workload, load in _cells(args, system, cells):
                     done += 1
                     label = f"[{done}/{total}] {system} {workload}/{load}"
-                    fallbacks0 = _fallbacks(endpoints)
-                    stages0 = _gateway_stages(endpoints) if router is None else {}
+                    gateway0 = _gateway_counters(endpoints) if router is None else {}
                     _shape(args, engines, baseline, system, workload)
                     timed = workload in ITL_WORKLOADS
                     rate = decode_rates[load] if timed else rates[load]
@@ -244,11 +243,10 @@ def main(argv: list[str] | None = None) -> int:
                         pids, everything_ours, label,
                     )  # fmt: skip
                     if router is None:
-                        detail["gateway_plan_fallbacks"] = _fallbacks(endpoints) - fallbacks0
+                        gateway1 = _gateway_counters(endpoints)
+                        detail["gateway_plan_fallbacks"] = _fallbacks(gateway0, gateway1)
                         detail["conductors_learned"] = _learned(endpoints)
-                        detail["gateway_stages_ms"] = _stage_means(
-                            stages0, _gateway_stages(endpoints)
-                        )
+                        detail["gateway_stages_ms"] = _stage_means(gateway0, gateway1)
                     results.setdefault((workload, load), {})[system] = figures
                     details.setdefault((workload, load), {})[system] = detail
                     itl = (
@@ -363,33 +361,43 @@ def _restore(engines: list[Engine], baseline: list[dict]) -> None:
             engine.settings(want)
 
 
-def _fallbacks(endpoints: dict) -> float:
-    """Requests the gateway routed without the conductor so far (its Plan too slow or
-    failing: `quillcache_gateway_plan_fallbacks_total`); -1 if the metrics cannot be read."""
+def _metric_sums(endpoints: dict, url: str | None, names) -> dict[str, float]:
+    """The sum of each of `names` on one /metrics page (empty if it cannot be read)."""
+    if url is None:
+        return {}
     try:
-        text = metric_text(endpoints["metrics"]["gateway"], operator_context(endpoints))
-    except (OSError, ValueError, KeyError):
-        return -1.0
-    return metric_sum(text, "quillcache_gateway_plan_fallbacks_total")
+        text = metric_text(url, operator_context(endpoints))
+    except (OSError, ValueError):
+        return {}
+    return {name: metric_sum(text, name) for name in names}
 
 
+# Requests the gateway routed without the conductor (its Plan too slow or failing).
+FALLBACKS = "quillcache_gateway_plan_fallbacks_total"
 # Where a request's time went in the gateway, from its /metrics: (sum, count) metrics.
 STAGES = {
-    "prepare": ("gateway_prepare_seconds_sum", "gateway_ttft_seconds_count"),
-    "plan": ("gateway_plan_seconds_sum", "gateway_plan_seconds_count"),
-    "engine_head": ("gateway_engine_head_seconds_sum", "gateway_engine_head_seconds_count"),
-    "first_byte": ("gateway_ttft_seconds_sum", "gateway_ttft_seconds_count"),
+    "prepare": ("quillcache_gateway_prepare_seconds_sum", "quillcache_gateway_ttft_seconds_count"),
+    "plan": ("quillcache_gateway_plan_seconds_sum", "quillcache_gateway_plan_seconds_count"),
+    "engine_head": (
+        "quillcache_gateway_engine_head_seconds_sum",
+        "quillcache_gateway_engine_head_seconds_count",
+    ),
+    "first_byte": ("quillcache_gateway_ttft_seconds_sum", "quillcache_gateway_ttft_seconds_count"),
 }
 
 
-def _gateway_stages(endpoints: dict) -> dict[str, float]:
-    """The gateway's stage sums and counts so far (empty if /metrics cannot be read)."""
-    try:
-        text = metric_text(endpoints["metrics"]["gateway"], operator_context(endpoints))
-    except (OSError, ValueError, KeyError):
-        return {}
-    names = {name for pair in STAGES.values() for name in pair}
-    return {name: metric_sum(text, f"quillcache_{name}") for name in names}
+def _gateway_counters(endpoints: dict) -> dict[str, float]:
+    """The gateway's plan fallbacks and stage sums and counts so far, from one read of
+    its /metrics (empty if it cannot be read)."""
+    names = {FALLBACKS, *(name for pair in STAGES.values() for name in pair)}
+    return _metric_sums(endpoints, endpoints["metrics"].get("gateway"), names)
+
+
+def _fallbacks(before: dict[str, float], after: dict[str, float]) -> float:
+    """Plan fallbacks between two `_gateway_counters`; -1 if either could not be read."""
+    if FALLBACKS in before and FALLBACKS in after:
+        return after[FALLBACKS] - before[FALLBACKS]
+    return -1.0
 
 
 def _stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -418,13 +426,10 @@ def _learned(endpoints: dict) -> dict[str, dict[str, float]]:
     price factor."""
     found = {}
     for name, url in endpoints["metrics"].items():
-        if not name.startswith("conductor"):
-            continue
-        try:
-            text = metric_text(url, operator_context(endpoints))
-        except (OSError, ValueError):
-            continue
-        found[name] = {key: metric_sum(text, metric) for key, metric in LEARNED.items()}
+        if name.startswith("conductor"):
+            sums = _metric_sums(endpoints, url, LEARNED.values())
+            if sums:
+                found[name] = {key: sums[metric] for key, metric in LEARNED.items()}
     return found
 
 
