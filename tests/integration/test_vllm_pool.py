@@ -1,0 +1,109 @@
+"""The KV connector's pool client (`quillcache_vllm.pool`, what runs inside vLLM) against
+real store processes: a step's saves go to the node's block-data port as one batch and
+its loads as one request, byte-identical; a block only a peer node holds is still
+loaded (gRPC Get with allow_remote); a node without a data port is used over gRPC."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from quillcache_core.launch.vllm_engine import free_port
+from quillcache_core.model import CacheTier
+from quillcache_store.client import StoreClient
+from quillcache_vllm.pool import Pool
+from tests.support import stores
+from tests.support.services import wait_until
+from tests.support.stores import SHAPES, block_key, kv_payload, locate, run
+from tests.support.tls import client_context, tls
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def lone_store(tmp_path):
+    with stores.lone_store(tmp_path) as store:
+        yield store
+
+
+@pytest.mark.parametrize("path", ["data", "grpc"])
+def test_saves_and_loads_of_a_step_are_one_batch_on_the_data_port(fleet, path):
+    conductor = fleet.conductor()
+    a = fleet.store("store-a", *([] if path == "data" else ["--data-port", "-1"]))
+    b = fleet.store("store-b")
+    fleet.transfer()
+    keys = [block_key(i, chain="step") for i in range(24)]
+    payloads = [kv_payload(300 + i, SHAPES["0.5MiB"]) for i in range(24)]
+    peer_key = block_key(0, chain="peer")
+    peer_payload = kv_payload(999, SHAPES["0.5MiB"])
+
+    async def put_on_b(client: StoreClient):
+        await client.put(peer_key, peer_payload)
+
+    run(_with(b.grpc_address, put_on_b))
+    pool = Pool(a.grpc_address, tls=tls("engine"))
+    try:
+        assert pool.save_later(list(zip(keys, payloads, strict=True))) == 24
+        assert pool.flush(20.0)
+        assert pool.counters.blocks_saved == 24
+        assert pool.counters.blocks_save_dropped == 0
+        if path == "data":
+            assert a.metric("quillcache_store_data_put_blocks_total") == 24
+        else:
+            assert _puts(a) == 24  # one gRPC Put each
+        # the store holds them, byte for byte, as any other client reads them
+        assert run(_with(a.grpc_address, lambda c: _get_all(c, keys))) == payloads
+        wait_until(
+            lambda: locate(conductor, peer_key) == [("store-b", CacheTier.CPU_DRAM)],
+            timeout_s=10,
+            what="the peer's block indexed on store-b",
+        )
+        absent = block_key(0, chain="nowhere")
+        found = pool.get_many([*keys, peer_key, absent])
+        assert found[:24] == payloads
+        assert found[24] == peer_payload  # fetched from store-b through store-a
+        assert found[25] is None
+        assert pool.counters.blocks_loaded == 25
+        assert pool.counters.blocks_load_failed == 1
+        assert pool.leading_held([*keys[:3], absent, keys[3]]) == 3
+    finally:
+        pool.close()
+    # one save batch and one load request on the data port, or none without one
+    assert pool.counters.data_port_batches == (2 if path == "data" else 0)
+
+
+def _puts(store) -> float:
+    """Blocks the store took by gRPC Put, every landing tier summed."""
+    with urllib.request.urlopen(
+        store.metrics_url + "/metrics", timeout=5, context=client_context("operator")
+    ) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith("quillcache_store_puts_total{"))
+
+
+async def _with(address: str, fn):
+    async with StoreClient(address, tls=tls("engine")) as client:
+        return await fn(client)
+
+
+async def _get_all(client: StoreClient, keys) -> list[bytes]:
+    return [(await client.get(k))[0] for k in keys]
+
+
+def test_a_data_port_that_fails_loses_no_save_and_no_load(lone_store):
+    """The port named but dead (the node's data listener gone): every block of the
+    batch goes over gRPC instead, and loads are served over gRPC."""
+    keys = [block_key(i, chain="dead") for i in range(6)]
+    payloads = [kv_payload(40 + i, SHAPES["0.5MiB"]) for i in range(6)]
+    pool = Pool(lone_store.grpc_address, tls=tls("engine"))
+    pool._data_address = f"127.0.0.1:{free_port()}"  # as if the port had closed
+    try:
+        assert pool.save_later(list(zip(keys, payloads, strict=True))) == 6
+        assert pool.flush(20.0)
+        assert pool.counters.blocks_saved == 6 and pool.counters.blocks_save_dropped == 0
+        assert _puts(lone_store) == 6
+        assert pool.get_many(keys) == payloads
+        assert pool.counters.blocks_load_failed == 0
+    finally:
+        pool.close()
