@@ -16,6 +16,7 @@ import os
 import re
 import ssl
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -175,5 +176,8 @@ def test_the_engines_give_way_to_the_control_processes(pd_fleet):
     assert len(engines) == 2
     for child in engines:
         assert os.getpriority(os.PRIO_PROCESS, child.proc.pid) == VLLM_NICE
+        group = Path(f"/proc/{child.proc.pid}/autogroup")  # where the kernel has autogroups
+        if group.exists():  # its session's group too, or the group's niceness would rule
+            assert group.read_text().split()[-1] == str(VLLM_NICE)
     gateway = next(c for c in cluster.children if c.name == "gateway")
     assert os.getpriority(os.PRIO_PROCESS, gateway.proc.pid) == os.getpriority(os.PRIO_PROCESS, 0)

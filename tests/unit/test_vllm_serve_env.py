@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from quillcache_core.launch.vllm_engine import engine_cores, niced, serve_env
@@ -41,6 +46,20 @@ def test_without_cores_vllm_binds_as_it_likes(monkeypatch):
     assert "VLLM_CPU_OMP_THREADS_BIND" not in serve_env()
 
 
-def test_an_engine_s_command_runs_niced():
-    assert niced(["vllm", "serve"], 10) == ["nice", "-n", "10", "vllm", "serve"]
+def test_an_engine_s_command_runs_niced_and_so_does_its_session(tmp_path):
+    """The command runs at the niceness with its arguments intact; in a session of its
+    own (as `quillcache up` starts it) its autogroup gets the niceness too, where the
+    kernel has autogroups (else a group's niceness would outweigh the process's)."""
+    script = (
+        "import os, sys; from pathlib import Path; g = Path('/proc/self/autogroup'); "
+        "print(os.getpriority(os.PRIO_PROCESS, 0)); print(sys.argv[1:]); "
+        "print(g.read_text().split()[-1] if g.exists() else 'none')"
+    )
+    argv = niced([sys.executable, "-c", script, "a b", "$HOME"], 10)
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, start_new_session=True)
+    nice, args, group = done.stdout.splitlines()
+    assert int(nice) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    assert args == "['a b', '$HOME']"
+    if Path("/proc/self/autogroup").exists():
+        assert group == "10"
     assert niced(["vllm", "serve"], 0) == ["vllm", "serve"]
