@@ -36,6 +36,8 @@ class Reservation:
     sample_tokens: int = -1
     sample_ahead: int = 0
     sample_fetch_us: float = 0.0
+    # The measured TTFT it was learned from, once it was (0: it taught nothing).
+    sample_ttft_us: float = 0.0
     # Blocks recorded on the engine at plan time (in the state's overlay); made
     # resident on success, taken back if the request fails or expires.
     optimistic: list[CacheResidency] = field(default_factory=list)

@@ -36,6 +36,7 @@ from quillcache_conductor.peer_load import ClosedLoad, OpenedLoad, PeerLoad
 from quillcache_conductor.records import Reservation
 from quillcache_conductor.state import ConductorState
 from quillcache_core.model import CacheResidency, CacheTier, KvBlockKey
+from quillcache_core.routing.calibrate import ModelSpeeds
 from quillcache_core.security.tls import Tls, grpc_channel
 from quillcache_core.wire.plan import HASH_BYTES, unpack_hashes
 
@@ -216,11 +217,15 @@ class ReplicaLog:
     def closed(self, res: Reservation, linger_s: float, resident: bool) -> None:
         if not self._subscribers:
             return
-        self._closed.append(
-            conductor_pb2.ReservationClosed(
-                reservation_id=res.id, linger_s=linger_s, resident=resident
-            )
+        closed = conductor_pb2.ReservationClosed(
+            reservation_id=res.id, linger_s=linger_s, resident=resident
         )
+        if res.sample_ttft_us > 0:
+            closed.sample.model_id = res.model_id
+            closed.sample.tokens = res.sample_ahead + res.sample_tokens
+            closed.sample.ttft_us = res.sample_ttft_us
+            closed.sample.fetch_us = res.sample_fetch_us
+        self._closed.append(closed)
         self._schedule()
 
     def _schedule(self) -> None:
@@ -357,6 +362,7 @@ class ReplicaPeers:
         tls: Tls | None,
         peer_load: PeerLoad,
         *,
+        speeds: ModelSpeeds | None = None,
         silence_s: float = 2.0,
         retry_max_s: float = 0.5,
     ) -> None:
@@ -364,6 +370,9 @@ class ReplicaPeers:
         self.node_id = node_id
         self.tls = tls
         self.peer_load = peer_load
+        # The learned speeds, taught by the samples in the peers' closes too.
+        self.speeds = speeds
+        self.samples_received = 0
         self.silence_s = silence_s
         self.retry_max_s = retry_max_s
         self._streams: dict[str, tuple[str, asyncio.Task]] = {}  # peer id -> (address, task)
@@ -453,6 +462,13 @@ class ReplicaPeers:
             opened=[opened_from_proto(m) for m in message.opened],
             closed=[ClosedLoad(m.reservation_id, m.linger_s, m.resident) for m in message.closed],
         )
+        if self.speeds is None:
+            return
+        for m in message.closed:
+            if m.HasField("sample"):
+                self.samples_received += 1
+                sample = m.sample  # out-of-range values are refused by the fits
+                self.speeds.observe(sample.model_id, sample.tokens, sample.ttft_us, sample.fetch_us)
 
     async def close(self) -> None:
         if self._watch is not None:

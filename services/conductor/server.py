@@ -259,6 +259,11 @@ class ConductorServer:
             ],
         )
         m.gauge(
+            "replica_speed_samples_total",
+            "TTFT samples of the engines' speed learned from other replicas' requests",
+            read=lambda: [((), self.replica_peers.samples_received if self.replica_peers else 0)],
+        )
+        m.gauge(
             "plan_stream_messages_total",
             "PlanStream messages received (each answered with one message)",
             read=lambda: [((), self.servicer.stream_messages if self.servicer else 0)],
@@ -339,6 +344,7 @@ class ConductorServer:
                 cfg.node_id,
                 self.tls,
                 self.peer_load,
+                speeds=self.state.speeds,
                 silence_s=cfg.replica_silence_s,
             )
             self.replica_peers.start()

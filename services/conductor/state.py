@@ -427,10 +427,11 @@ class ConductorState:
         info = self.engines.get(res.engine_id)
         success = outcome == "success"
         if success and ttft_s > 0 and res.sample_tokens >= 0 and self.speeds is not None:
+            res.sample_ttft_us = ttft_s * 1e6  # the other replicas learn it too
             self.speeds.observe(
                 res.model_id,
                 res.sample_ahead + res.sample_tokens,
-                ttft_s * 1e6,
+                res.sample_ttft_us,
                 res.sample_fetch_us,
             )
         if success and res.optimistic and info is not None and not publishes_events(info.record):

@@ -9,6 +9,7 @@ the engines are registry records (nothing calls them here)."""
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import pytest
 
@@ -16,6 +17,7 @@ from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_core.identity.keys import request_blocks
 from tests.support.etcdctl import etcdctl, put_engine
 from tests.support.services import wait_until
+from tests.support.tls import client_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -154,3 +156,41 @@ def test_a_replica_started_later_gets_every_open_reservation(etcd_server, fleet)
             # And the overlay came with them: a repeat of the last prompt hits on B.
             repeat = on_b.Plan(request(319, "b-repeat", blocks=1024), timeout=10)
             assert repeat.hit_blocks == 1024, repeat
+
+
+def _labelled(proc, name: str) -> float | None:
+    """A series of `name` with labels (the first), None if absent."""
+    url = proc.metrics_url + "/metrics"
+    with urllib.request.urlopen(url, timeout=5, context=client_context("operator")) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + "{"):
+                return float(line.split()[-1])
+    return None
+
+
+def test_every_replica_learns_the_engines_speed_from_every_replica_s_requests(replicas, fleet):
+    """Requests planned and finished on A only, each with its measured TTFT (200 us a
+    prompt token, as a slow engine would take): B, which planned none of them, learns
+    the same prefill speed from the samples A's closes carry."""
+    a, on_a, _ = replicas
+    b = next(p for p in fleet.procs if p.name == "conductor-b")
+    for n in range(24):
+        blocks = 16 + 3 * n  # token counts spread out, as the fit needs
+        plan = on_a.Plan(request(200 + n, f"s{n}", blocks=blocks), timeout=5)
+        on_a.Finish(
+            conductor_pb2.FinishRequest(
+                reservation_id=plan.reservation_id,
+                outcome=conductor_pb2.FinishRequest.SUCCESS,
+                ttft_ms=blocks * BS * 0.2,
+            ),
+            timeout=5,
+        )
+    wait_until(
+        lambda: b.metric("quillcache_replica_speed_samples_total") == 24,
+        timeout_s=5,
+        what="A's samples on B",
+    )
+    learned_a = _labelled(a, "quillcache_prefill_us_per_token")
+    learned_b = _labelled(b, "quillcache_prefill_us_per_token")
+    assert learned_a == pytest.approx(200, rel=0.02)
+    assert learned_b == pytest.approx(learned_a, rel=1e-6)

@@ -463,14 +463,28 @@ class ReservationOpened(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., prefill_s: _Optional[float] = ..., expires_s: _Optional[float] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., block_hashes: _Optional[_Iterable[str]] = ..., prefix_hashes: _Optional[_Iterable[str]] = ..., block_indexes: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., bytes_per_block: _Optional[int] = ..., packed_hashes: _Optional[bytes] = ..., first_parent: _Optional[str] = ..., first_index: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class ReservationClosed(_message.Message):
-    __slots__ = ("reservation_id", "linger_s", "resident")
+    __slots__ = ("reservation_id", "linger_s", "resident", "sample")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     LINGER_S_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     linger_s: float
     resident: bool
-    def __init__(self, reservation_id: _Optional[str] = ..., linger_s: _Optional[float] = ..., resident: _Optional[bool] = ...) -> None: ...
+    sample: SpeedSample
+    def __init__(self, reservation_id: _Optional[str] = ..., linger_s: _Optional[float] = ..., resident: _Optional[bool] = ..., sample: _Optional[_Union[SpeedSample, _Mapping]] = ...) -> None: ...
+
+class SpeedSample(_message.Message):
+    __slots__ = ("model_id", "tokens", "ttft_us", "fetch_us")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_US_FIELD_NUMBER: _ClassVar[int]
+    FETCH_US_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tokens: int
+    ttft_us: float
+    fetch_us: float
+    def __init__(self, model_id: _Optional[str] = ..., tokens: _Optional[int] = ..., ttft_us: _Optional[float] = ..., fetch_us: _Optional[float] = ...) -> None: ...
 
 class LoadDeltas(_message.Message):
     __slots__ = ("conductor_id", "start_time_s", "snapshot", "opened", "closed", "heartbeat_s")
