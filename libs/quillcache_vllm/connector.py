@@ -29,8 +29,9 @@ plan says are fetchable from a peer), in whole engine blocks, never the prompt's
 token; the metadata of each step tells the worker which allocated blocks to load and
 which newly computed full blocks to save.
 
-Worker side: loads run before the forward pass (synchronously: a block that cannot be
-loaded, missing, corrupt or unreachable, is reported through
+Worker side: loads run before the forward pass (synchronously; the blocks the plan names
+on a peer node straight from that node's block-data port, in one request per node; a
+block that cannot be loaded, missing, corrupt or unreachable, is reported through
 `get_block_ids_with_load_errors` and vLLM recomputes it: never a wrong token); saves copy
 the computed blocks out of the paged cache after the forward pass and hand them to a
 bounded background writer (`pool.Pool`), which drops and counts rather than block.
@@ -77,6 +78,8 @@ class BlockTransfer:
 class QuillCacheMetadata(KVConnectorMetadata):
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    # Block hash -> the peer store node (gRPC address) the plan fetches it from.
+    sources: dict[str, str] = field(default_factory=dict)
     # Some saves are a prefill's for another engine (disaggregation): the worker waits
     # until the store has them, so the request's answer means its KV is in the pool.
     flush: bool = False
@@ -93,6 +96,7 @@ class _Tracked:
     load_to: int = 0
     block_ids: list[int] = field(default_factory=list)
     saved_to: int = 0  # engine blocks below this are in the pool or queued
+    sources: dict[str, str] = field(default_factory=dict)  # the plan's peer of a block
     producer: bool = False  # a prefill for a decode engine: saves are waited for
 
 
@@ -101,6 +105,20 @@ def _prefill_for_another(request: Request) -> bool:
     params = request.kv_transfer_params or {}
     plan = params.get(PLAN_FIELD) if isinstance(params, dict) else None
     return isinstance(plan, dict) and plan.get("disagg") == "prefill"
+
+
+def _plan_sources(request: Request) -> dict[str, str]:
+    """Block hash -> the peer store node (gRPC address) the gateway's plan fetches it from."""
+    params = request.kv_transfer_params or {}
+    plan = params.get(PLAN_FIELD) if isinstance(params, dict) else None
+    fetch = plan.get("fetch") if isinstance(plan, dict) else None
+    if not isinstance(fetch, list):
+        return {}
+    return {
+        str(a["block_hash"]): str(a["source_address"])
+        for a in fetch
+        if isinstance(a, dict) and a.get("block_hash") and a.get("source_address")
+    }
 
 
 class QuillCacheConnector(KVConnectorBase_V1):
@@ -171,7 +189,11 @@ class QuillCacheConnector(KVConnectorBase_V1):
         held = max(held, self._plan_fetchable(request, held, len(keys)))
         matched = held // self.parts * self.block_size
         self._tracked[request.request_id] = _Tracked(
-            keys, held, num_computed_tokens, producer=self.producer or _prefill_for_another(request)
+            keys,
+            held,
+            num_computed_tokens,
+            producer=self.producer or _prefill_for_another(request),
+            sources=_plan_sources(request),
         )
         if matched <= num_computed_tokens:
             return 0, False
@@ -207,7 +229,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
                 continue
             tracked.block_ids = list(new.block_ids[0])
             for index in range(tracked.load_from, tracked.load_to):
-                meta.loads.append(self._transfer(tracked, index))
+                self._add_load(meta, tracked, index)
             # What the pool already holds is not saved again.
             tracked.saved_to = max(tracked.load_to, tracked.held // self.parts)
             self._add_saves(meta, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -222,12 +244,20 @@ class QuillCacheConnector(KVConnectorBase_V1):
                 # what the lookup promised when it was rescheduled must be loaded again.
                 tracked.block_ids = list(more[0]) if more is not None else []
                 for index in range(tracked.load_from, tracked.load_to):
-                    meta.loads.append(self._transfer(tracked, index))
+                    self._add_load(meta, tracked, index)
                 tracked.saved_to = max(tracked.load_to, tracked.held // self.parts)
             elif more is not None:
                 tracked.block_ids.extend(more[0])
             self._add_saves(meta, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
+
+    def _add_load(self, meta: QuillCacheMetadata, tracked: _Tracked, index: int) -> None:
+        transfer = self._transfer(tracked, index)
+        meta.loads.append(transfer)
+        for key in transfer.keys:
+            source = tracked.sources.get(key.block_hash)
+            if source:
+                meta.sources[key.block_hash] = source
 
     def _transfer(self, tracked: _Tracked, index: int) -> BlockTransfer:
         keys = tracked.keys[index * self.parts : (index + 1) * self.parts]
@@ -261,7 +291,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         if not isinstance(meta, QuillCacheMetadata) or not meta.loads or not self._layers:
             return
         keys = [key for transfer in meta.loads for key in transfer.keys]
-        found = self.pool.get_many(keys)
+        found = self.pool.get_many(keys, meta.sources)
         at = 0
         for transfer in meta.loads:
             payloads = found[at : at + len(transfer.keys)]

@@ -11,10 +11,12 @@ Block bytes go through the store node's block-data port (raw TCP, `datapath.batc
 a step's saves are one batch of puts on one connection, a step's loads one request
 naming every block, as the sim engine does. Per block over gRPC (a Put stream each,
 a Get stream each) the store and this process spent about 1 ms of CPU a block, on
-cores the engines and the control path share. gRPC stays the way for what the port
-does not do: the lookups (Exists), the node's Stats (which names the port), and a
-load the node does not hold (Get with `allow_remote`, fetched from a peer node). A
-node without a data port, or one whose port fails, is used over gRPC as before.
+cores the engines and the control path share. Blocks the gateway's plan fetches from a
+peer node come straight from that node's data port, one request per node (its Stats
+names the port). gRPC stays the way for what the ports do not do: the lookups
+(Exists), the nodes' Stats, and a load neither this node nor the plan's peer could
+serve (Get with `allow_remote`: this node finds and pulls it from a peer). A node
+without a data port, or one whose port fails, is used over gRPC as before.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 # After a node could not name its data port, gRPC only for this long before asking again.
 DATA_PORT_RETRY_S = 30.0
+MAX_PEERS = 1024  # peer nodes' data ports remembered
 
 
 @dataclass
@@ -52,6 +55,7 @@ class PoolCounters:
     load_seconds: float = 0.0
     lookups: int = 0
     data_port_batches: int = 0  # saves and loads sent as one batch on the data port
+    blocks_loaded_from_peers: int = 0  # straight from the data port of the plan's peer
 
 
 class Pool:
@@ -78,6 +82,9 @@ class Pool:
         # The node's block-data port: None until asked, "" when it has none (gRPC only).
         self._data_address: str | None = None
         self._data_retry_at = 0.0
+        self._tls = tls
+        # Peer node (gRPC address) -> (its data port or "", when to ask again if "").
+        self._peer_ports: dict[str, tuple[str, float]] = {}
 
     def _call(self, coro) -> object:
         future: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -102,13 +109,16 @@ class Pool:
             held += 1
         return held
 
-    def get_many(self, keys: Sequence[KvBlockKey]) -> list[bytes | None]:
-        """Each block's bytes (fetched from a peer store node when this one has it not),
-        None where it is missing, corrupt or unreachable. Checksums are verified by the
-        store on the way out of its tiers and by the client on the wire."""
+    def get_many(
+        self, keys: Sequence[KvBlockKey], sources: Mapping[str, str] | None = None
+    ) -> list[bytes | None]:
+        """Each block's bytes (fetched from a peer store node when this one has it not:
+        `sources` maps a block hash to the node, by gRPC address, the plan names), None
+        where it is missing, corrupt or unreachable. Checksums are verified by the store
+        on the way out of its tiers and by the client on the wire."""
         started = time.perf_counter()
         try:
-            found = self._call(self._load(list(keys)))
+            found = self._call(self._load(list(keys), dict(sources or {})))
         except TimeoutError:
             found = [None] * len(keys)
         loaded = [b for b in found if b is not None]
@@ -118,15 +128,32 @@ class Pool:
         self.counters.load_seconds += time.perf_counter() - started
         return found
 
-    async def _load(self, keys: list[KvBlockKey]) -> list[bytes | None]:
-        """What the node's data port holds in one request; the rest (held by a peer node,
-        or the port unreachable) one gRPC Get each, with `allow_remote`."""
+    async def _load(self, keys: list[KvBlockKey], sources: dict[str, str]) -> list[bytes | None]:
+        """What the node's data port holds in one request; what the plan names on a peer
+        node, from that node's data port in one request per node; the rest (or all, the
+        ports unreachable) one gRPC Get each, with `allow_remote`."""
         found: list[bytes | None] = [None] * len(keys)
+        loop = asyncio.get_running_loop()
         address = await self._data_port()
         if address:
-            loop = asyncio.get_running_loop()
             found = await loop.run_in_executor(None, self._batches.get_many, address, keys)
             self.counters.data_port_batches += 1
+        by_peer: dict[str, list[int]] = {}
+        for i, payload in enumerate(found):
+            peer = sources.get(keys[i].block_hash) if payload is None else None
+            if peer and peer != self.store_address:
+                by_peer.setdefault(peer, []).append(i)
+        for peer, indices in by_peer.items():
+            port = await self._peer_data_port(peer)
+            if not port:
+                continue
+            wanted = [keys[i] for i in indices]
+            got = await loop.run_in_executor(None, self._batches.get_many, port, wanted)
+            self.counters.data_port_batches += 1
+            for i, payload in zip(indices, got, strict=True):
+                if payload is not None:
+                    found[i] = payload
+                    self.counters.blocks_loaded_from_peers += 1
 
         async def fetch(key: KvBlockKey) -> bytes | None:
             try:
@@ -141,6 +168,24 @@ class Pool:
         for i, payload in zip(missing, fetched, strict=True):
             found[i] = payload
         return found
+
+    async def _peer_data_port(self, peer: str) -> str:
+        """A peer node's block-data port ("" if it has none or cannot be asked now)."""
+        known = self._peer_ports.get(peer)
+        if known is not None and (known[0] or time.monotonic() < known[1]):
+            return known[0]
+        if len(self._peer_ports) >= MAX_PEERS:
+            self._peer_ports.clear()
+        client = StoreClient(peer, timeout_s=self.timeout_s, tls=self._tls)
+        try:
+            port = str((await client.stats()).get("data_address", ""))
+        except QuillCacheError as exc:
+            logger.warning("cannot ask peer %s for its data port: %s", peer, exc)
+            port = ""
+        finally:
+            await client.close()
+        self._peer_ports[peer] = (port, time.monotonic() + DATA_PORT_RETRY_S)
+        return port
 
     async def _data_port(self) -> str:
         """The node's block-data port ("" if it has none or could not be asked; asked

@@ -234,6 +234,7 @@ def test_an_engine_on_another_store_node_reuses_the_prefix(pool_fleet):
             break
         time.sleep(0.1)
     loaded = connector(endpoints, other, "blocks_loaded")
+    from_peer = connector(endpoints, other, "blocks_loaded_from_peers")
     headers, again = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
     print(
         f"peer: {other} plan fetch {headers['x-quillcache-fetch-blocks']}, "
@@ -241,5 +242,7 @@ def test_an_engine_on_another_store_node_reuses_the_prefix(pool_fleet):
     )
     assert headers["x-quillcache-engine"] == other
     assert connector(endpoints, other, "blocks_loaded") - loaded >= 2 * (blocks - 1)
+    # read straight from the peer node's data port, as the plan named it
+    assert connector(endpoints, other, "blocks_loaded_from_peers") - from_peer >= 2 * (blocks - 1)
     assert cached(again) >= 32 * (blocks - 1)
     assert again.choices[0].text == first.choices[0].text

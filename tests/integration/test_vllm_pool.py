@@ -71,6 +71,39 @@ def test_saves_and_loads_of_a_step_are_one_batch_on_the_data_port(fleet, path):
         pool.close()
     # one save batch and one load request on the data port, or none without one
     assert pool.counters.data_port_batches == (2 if path == "data" else 0)
+    assert pool.counters.blocks_loaded_from_peers == 0  # no plan named the peer
+    assert a.metric("quillcache_store_peer_fetches_total") == 1
+
+
+def test_the_blocks_a_plan_names_on_a_peer_come_from_its_data_port(fleet):
+    """The plan says which node holds a block: it is read from that node's data port
+    in one request, and the engine's own node fetches nothing for it."""
+    fleet.conductor()
+    a = fleet.store("store-a")
+    b = fleet.store("store-b")
+    fleet.transfer()
+    keys = [block_key(i, chain="doc") for i in range(12)]
+    payloads = [kv_payload(500 + i, SHAPES["0.5MiB"]) for i in range(12)]
+
+    async def put_on_b(client: StoreClient):
+        for key, payload in zip(keys, payloads, strict=True):
+            await client.put(key, payload)
+
+    run(_with(b.grpc_address, put_on_b))
+    pool = Pool(a.grpc_address, tls=tls("engine"))
+    try:
+        sources = {k.block_hash: b.grpc_address for k in keys}
+        assert pool.get_many(keys, sources) == payloads
+        assert pool.counters.blocks_loaded_from_peers == 12
+        assert pool.counters.data_port_batches == 2  # store-a's (nothing), store-b's
+        # a plan naming a node that does not answer: the blocks come the other way
+        dead = {k.block_hash: f"127.0.0.1:{free_port()}" for k in keys[:2]}
+        assert pool.get_many(keys[:2], dead) == payloads[:2]
+    finally:
+        pool.close()
+    # 12 read by the pool itself, then the dead plan's 2 pulled by store-a
+    assert b.metric("quillcache_store_data_sent_blocks_total") == 14
+    assert a.metric("quillcache_store_peer_fetches_total") == 2
 
 
 def _puts(store) -> float:
