@@ -110,3 +110,28 @@ def test_a_sim_engine_takes_new_settings_in_place(tmp_path: Path) -> None:
         assert refused.value.code == 401
     finally:
         engine.stop()
+
+
+def test_the_engines_warm_up_reaches_every_engine_straight(tmp_path: Path) -> None:
+    """Before any system runs (real vLLM: its first minutes are slow, and the first
+    system would pay for them), every workload goes straight to the engines in turn."""
+    from argparse import Namespace
+
+    from quillcache_bench.live_bench import _engine_warm_up
+
+    first = PlainSimEngine(tmp_path / "a").start(timeout_s=20.0)
+    second = PlainSimEngine(tmp_path / "b").start(timeout_s=20.0)
+    try:
+        engines = [
+            Engine("engine-0", first.fields["plain_http"]),
+            Engine("engine-1", second.fields["plain_http"]),
+        ]
+        before = [e.counters() for e in engines]
+        args = Namespace(prompt_scale=0.05, engine="sim", heavy_rps=8.0)
+        _engine_warm_up(args, engines, ["docqa", "decode"], "sim-model", 1.0)
+        served = [e.counters().minus(b).requests for e, b in zip(engines, before, strict=True)]
+    finally:
+        first.stop()
+        second.stop()
+    assert all(n >= 1 for n in served), served
+    assert sum(served) <= 8  # docqa's 8 (one second at 8/s); the decode workload not sent
