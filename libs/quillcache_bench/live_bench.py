@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         warm_s = args.engine_warmup_s
         if warm_s < 0:
-            warm_s = 30.0 if args.engine == "vllm" else 0.0
+            warm_s = args.engine_warmup_s = 30.0 if args.engine == "vllm" else 0.0
         if warm_s > 0:
             print(f"warming the engines up: {warm_s:.0f}s of each workload", flush=True)
             _engine_warm_up(args, engines, workloads, model, warm_s)
@@ -614,6 +614,8 @@ def _report(args, runs, details, rates, decode_rates, duration, elapsed) -> None
             "engines": args.engines,
             "conductors": args.conductors,
             "time_scale": args.time_scale,
+            "engine_warmup_s": args.engine_warmup_s,
+            "systems_in_run_order": _names(args.systems, SYSTEMS, "systems"),
             "rates_rps": rates,
             "decode_rates_rps": decode_rates,
             "decode_step_ms": args.decode_step_ms,
