@@ -30,6 +30,8 @@ they compute to their store nodes (`--store-writes computed`, as QuillCache's KV
 connector does) only in QuillCache's rows; behind a router they write nothing there.
 Before each run every engine's prefix cache is emptied, and every prompt of a run opens
 with a nonce of that run, so no system inherits another's cache (the stores included).
+Real vLLM engines are warmed up first, before any system runs (`--engine-warmup-s`: every
+workload straight to the engines in turn), so the first system does not pay for it.
 Per run: TTFT (send to first content chunk, streaming) mean/p50/p99, completed
 requests per second, errors, the engines' served requests max/mean and cached prompt
 token share (from the engines' own counters), and the control path's CPU seconds
