@@ -96,9 +96,10 @@ class PeerLoad:
         snapshot: bool,
         opened: Sequence[OpenedLoad] = (),
         closed: Sequence[ClosedLoad] = (),
+        prefilled: Sequence[str] = (),
     ) -> None:
-        """One message of a peer: a heartbeat when empty; opens before closes (a close
-        in the same message as its open is of a later call)."""
+        """One message of a peer: a heartbeat when empty; opens before first tokens
+        before closes (a close in the same message as its open is of a later call)."""
         now = self.clock()
         view = self.peers.get(peer_id)
         if view is not None and (snapshot or view.start_time_s != start_time_s):
@@ -109,6 +110,10 @@ class PeerLoad:
         view.last_heard_s = now
         for load in opened:
             self._open(view, load, now)
+        for res_id in prefilled:  # its first token came: its prefill is done
+            held = view.held.get(res_id)
+            if held is not None:
+                self._release_prefill(held)
         for load in closed:
             self._close(view, load, now)
 

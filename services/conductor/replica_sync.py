@@ -188,6 +188,7 @@ class ReplicaLog:
         self._next_id = 0
         self._opened: list[tuple] = []
         self._closed: list[conductor_pb2.ReservationClosed] = []
+        self._prefilled: list[str] = []  # reservations whose first token came
         self._flush_handle: asyncio.TimerHandle | None = None
         self.messages_sent = 0
         self.overflows = 0
@@ -228,6 +229,12 @@ class ReplicaLog:
         self._closed.append(closed)
         self._schedule()
 
+    def prefilled(self, res: Reservation) -> None:
+        if not self._subscribers:
+            return
+        self._prefilled.append(res.id)
+        self._schedule()
+
     def _schedule(self) -> None:
         if self._flush_handle is None:
             loop = asyncio.get_running_loop()
@@ -239,23 +246,27 @@ class ReplicaLog:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        if not self._opened and not self._closed:
+        if not self._opened and not self._closed and not self._prefilled:
             return
         opened = [_opened_to_proto(*item) for item in self._opened]
-        messages = self._messages(opened, self._closed)
-        self._opened, self._closed = [], []
+        messages = self._messages(opened, self._closed, prefilled=self._prefilled)
+        self._opened, self._closed, self._prefilled = [], [], []
         for queue in self._subscribers.values():
             for message in messages:
                 self._offer(queue, message)
 
-    def _messages(self, opened: list, closed: list, *, snapshot: bool = False) -> list:
+    def _messages(
+        self, opened: list, closed: list, *, snapshot: bool = False, prefilled: list = ()
+    ) -> list:
         step = OPENED_PER_MESSAGE
         chunks = [opened[i : i + step] for i in range(0, len(opened), step)] or [[]]
+        last = len(chunks) - 1
         return [
             self._message(
                 snapshot=snapshot and i == 0,
                 opened=chunk,
-                closed=closed if i == len(chunks) - 1 else (),
+                closed=closed if i == last else (),
+                prefilled=prefilled if i == last else (),
             )
             for i, chunk in enumerate(chunks)
         ]
@@ -269,7 +280,9 @@ class ReplicaLog:
                 queue.get_nowait()
             queue.put_nowait(None)  # its stream ends there (RESOURCE_EXHAUSTED)
 
-    def _message(self, *, snapshot: bool = False, opened=(), closed=()) -> conductor_pb2.LoadDeltas:
+    def _message(
+        self, *, snapshot: bool = False, opened=(), closed=(), prefilled=()
+    ) -> conductor_pb2.LoadDeltas:
         return conductor_pb2.LoadDeltas(
             conductor_id=self.node_id,
             start_time_s=self.start_time_s,
@@ -277,6 +290,7 @@ class ReplicaLog:
             opened=opened,
             closed=closed,
             heartbeat_s=self.heartbeat_s,
+            prefilled=prefilled,
         )
 
     def snapshot(self) -> list[conductor_pb2.LoadDeltas]:
@@ -461,6 +475,7 @@ class ReplicaPeers:
             snapshot=message.snapshot,
             opened=[opened_from_proto(m) for m in message.opened],
             closed=[ClosedLoad(m.reservation_id, m.linger_s, m.resident) for m in message.closed],
+            prefilled=message.prefilled,
         )
         if self.speeds is None:
             return

@@ -173,7 +173,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             block_tokens_total=total,
             max_others=request.max_others if request.HasField("max_others") else None,
         )
-        outcome = plan_split(self.state, shape, request.exclude_engines, request.disagg or "auto")
+        outcome = plan_split(
+            self.state,
+            shape,
+            request.exclude_engines,
+            request.disagg or "auto",
+            first_token_reported=request.reports_first_token,
+        )
         decision = outcome.decision
         chosen = decision.chosen
         request_blocks = shape.blocks
@@ -273,9 +279,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         """One Finish, for the unary RPC and the stream alike."""
         if not request.reservation_id:
             raise InvalidArgument("reservation_id is required")
+        if request.outcome == conductor_pb2.FinishRequest.PREFILLED:
+            if not request.ttft_ms > 0:
+                raise InvalidArgument("PREFILLED needs the measured ttft_ms")
+            released = self.state.prefilled(request.reservation_id, request.ttft_ms / 1000)
+            return conductor_pb2.FinishResponse(released=released)
         outcome = OUTCOME_NAMES.get(request.outcome)
         if outcome is None:
-            raise InvalidArgument("outcome must be SUCCESS, ERROR or CANCELLED")
+            raise InvalidArgument("outcome must be SUCCESS, ERROR, CANCELLED or PREFILLED")
         observe = None
         if outcome == "success":
             if request.observe_packed_hashes:

@@ -22,13 +22,18 @@ logger = logging.getLogger(__name__)
 
 
 def plan_split(
-    state: ConductorState, request: RequestShape, exclude: Sequence[str] = (), mode: str = "auto"
+    state: ConductorState,
+    request: RequestShape,
+    exclude: Sequence[str] = (),
+    mode: str = "auto",
+    *,
+    first_token_reported: bool = False,
 ) -> PlanOutcome:
     """`state.plan`, then disaggregation (routing/disagg.py): the planned engine decodes;
     when another engine should prefill, it gets a reservation of its own for the
     prompt, and the decode engine's queued prefill shrinks to the tail it still
     computes."""
-    outcome = state.plan(request, exclude)
+    outcome = state.plan(request, exclude, first_token_reported=first_token_reported)
     decision = outcome.decision
     excluded = set(exclude)
     candidates = [

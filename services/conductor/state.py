@@ -42,6 +42,9 @@ from quillcache_core.routing.policy import Fleet, PlanDecision, Policy
 
 logger = logging.getLogger(__name__)
 
+# A reported first token releases a plan's prefill; none: 4x its estimated TTFT + 2 s.
+REPORTED_RELEASE = (4.0, 2.0)
+
 
 class ConductorState:
     """Engines and store nodes (from the registry), the residency index, live load.
@@ -323,8 +326,18 @@ class ConductorState:
 
     # --- plan / finish / observe ---------------------------------------------------
 
-    def plan(self, request: RequestShape, exclude: Sequence[str] = ()) -> PlanOutcome:
-        """Choose an engine, reserve load on it, and return the reservation id."""
+    def plan(
+        self,
+        request: RequestShape,
+        exclude: Sequence[str] = (),
+        *,
+        first_token_reported: bool = False,
+    ) -> PlanOutcome:
+        """Choose an engine, reserve load on it, and return the reservation id.
+
+        With `first_token_reported` (the gateway says `prefilled` at the first token)
+        the plan's queued prefill stays on its engine until then; the estimated TTFT
+        only bounds it loosely (`REPORTED_RELEASE`), for a report that never comes."""
         self._check_request(request)
         now = self.clock()
         self._release_due(now)
@@ -372,11 +385,40 @@ class ConductorState:
         est_ttft_s = decision.chosen.est_ttft_us / 1e6
         if self.speeds is not None:  # the fixed part of a TTFT the engines showed
             est_ttft_s += self.speeds.intercept_us(request.model_id) / 1e6
+        if first_token_reported:
+            factor, margin_s = REPORTED_RELEASE
+            est_ttft_s = factor * est_ttft_s + margin_s
         heapq.heappush(self._prefill_due, (now + est_ttft_s, res.id))
         heapq.heappush(self._expiry, (res.expires_s, res.id))
         if self.listener is not None:
             self.listener.opened(res, est_ttft_s)
         return PlanOutcome(res.id, decision)
+
+    def prefilled(self, reservation_id: str, ttft_s: float) -> bool:
+        """The request's first token came after `ttft_s`: its prefill no longer counts on
+        its engine, and its TTFT is learned now (not again at its Finish). False when
+        the reservation is unknown (finished or expired)."""
+        res = self.reservations.get(reservation_id)
+        if res is None:
+            return False
+        if not res.prefill_released:
+            self._release_prefill(res)
+        self._learn(res, ttft_s)
+        if self.listener is not None:
+            self.listener.prefilled(res)
+        return True
+
+    def _learn(self, res: Reservation, ttft_s: float) -> None:
+        """A sample of the engines' speed from a reservation's measured TTFT (once)."""
+        if ttft_s <= 0 or res.sample_tokens < 0 or res.sample_ttft_us > 0 or self.speeds is None:
+            return
+        res.sample_ttft_us = ttft_s * 1e6  # the other replicas learn it too, at its close
+        self.speeds.observe(
+            res.model_id,
+            res.sample_ahead + res.sample_tokens,
+            res.sample_ttft_us,
+            res.sample_fetch_us,
+        )
 
     def _fleet(self, model_id: str, exclude: Sequence[str]) -> Fleet:
         """The engines eligible for a model; the same object until membership changes.
@@ -426,14 +468,8 @@ class ConductorState:
         self._release(res)
         info = self.engines.get(res.engine_id)
         success = outcome == "success"
-        if success and ttft_s > 0 and res.sample_tokens >= 0 and self.speeds is not None:
-            res.sample_ttft_us = ttft_s * 1e6  # the other replicas learn it too
-            self.speeds.observe(
-                res.model_id,
-                res.sample_ahead + res.sample_tokens,
-                res.sample_ttft_us,
-                res.sample_fetch_us,
-            )
+        if success:
+            self._learn(res, ttft_s)
         if success and res.optimistic and info is not None and not publishes_events(info.record):
             self._tell_closed(res, 0.0, resident=True)
             if promote:

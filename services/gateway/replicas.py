@@ -190,7 +190,13 @@ class ConductorReplicas:
     async def finish(
         self, request: conductor_pb2.FinishRequest, timeout_s: float
     ) -> conductor_pb2.FinishResponse:
-        replica = self._replicas.get(self._owners.pop(request.reservation_id, ""))
+        owners = self._owners
+        # A first token's report is not the end: the final Finish goes to the owner too.
+        if request.outcome == conductor_pb2.FinishRequest.PREFILLED:
+            owner = owners.get(request.reservation_id, "")
+        else:
+            owner = owners.pop(request.reservation_id, "")
+        replica = self._replicas.get(owner)
         if replica is None:  # not planned here (or forgotten): any replica may know it
             replicas = self._order()
             if not replicas:

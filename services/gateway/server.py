@@ -38,7 +38,6 @@ from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tenants import tenant_salt
 from quillcache_core.security.tls import role_of_cert
-from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
 from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
@@ -52,6 +51,7 @@ from quillcache_gateway.replicas import ConductorReplicas
 from quillcache_gateway.reservations import OpenPlans, early_outcome, shielded
 from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamPool
 from quillcache_gateway.validate import check_fields, parse_slo, read_json
+from quillcache_gateway.wire import error_event, upstream_body
 
 logger = logging.getLogger(__name__)
 
@@ -428,6 +428,8 @@ class Gateway:
             slo=common_pb2.Slo(ttft_ms=call.slo_ms),
             exclude_engines=excluded,
             disagg=call.disagg,
+            # A stream's first token is seen here and reported (`_prefilled`).
+            reports_first_token=call.job.stream,
         )
         try:
             # In its own task: if the client leaves first, or the gateway stops waiting,
@@ -582,11 +584,12 @@ class Gateway:
                         # The engine failed or closed early: end with an error event.
                         outcome = ERROR
                         self.upstream_failures.inc(phase="stream")
-                        await resp.write(_error_event(tail, plan.engine_id))
+                        await resp.write(error_event(tail, plan.engine_id))
                     break
                 if not ttft_s:
                     ttft_s = time.perf_counter() - call.arrived
                     self._timed(ttft_s, call.slo_ms)
+                    self._prefilled(plan, ttft_s)
                 tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
                 await resp.write(chunk)
             with contextlib.suppress(ConnectionError):
@@ -639,6 +642,19 @@ class Gateway:
         if ttft_s * 1000 <= slo_ms:
             self.slo_met.inc()
 
+    def _prefilled(self, plan, ttft_s: float) -> None:
+        """Tell the conductor a stream's first token came (queued like a Finish): the
+        plan's prefill stops counting on its engine, and its TTFT is learned."""
+        if is_fallback(plan) or not plan.reservation_id:
+            return
+        self._finishes.submit(
+            conductor_pb2.FinishRequest(
+                reservation_id=plan.reservation_id,
+                outcome=conductor_pb2.FinishRequest.PREFILLED,
+                ttft_ms=ttft_s * 1000,
+            )
+        )
+
     def _finish_later(self, plan, outcome, ttft_s: float, call: _Call, *, observe: bool) -> None:
         """Queue Finish; with `observe`, the prompt's blocks are recorded on the engine.
 
@@ -654,46 +670,3 @@ class Gateway:
             finish.observe_packed_hashes = call.packed
             finish.observe_block_tokens = call.block_size
         self._finishes.submit(finish)
-
-
-def upstream_body(raw: bytes, payload: dict, ident: _Identity, plan: dict) -> bytes:
-    """The client's JSON body with `cache_salt` and `kv_transfer_params.quillcache` set.
-
-    The usual body has neither field: the two are spliced in before the closing brace,
-    so the client's bytes are forwarded without re-encoding. A body that has either
-    (the salt is always the tenant's, never the client's) is re-encoded.
-    """
-    if "cache_salt" not in payload and "kv_transfer_params" not in payload:
-        plan_json = json.dumps(plan, separators=(",", ":")).encode()
-        head = raw[: raw.rindex(b"}")].rstrip()
-        sep = b"" if head.endswith(b"{") else b","
-        return b"".join(
-            (
-                head,
-                sep,
-                b'"cache_salt":',
-                ident.salt_json,
-                b',"kv_transfer_params":{"' + PLAN_FIELD.encode() + b'":',
-                plan_json,
-                b"}}",
-            )
-        )
-    body = dict(payload)
-    body["cache_salt"] = ident.identity.cache_salt
-    params = body.get("kv_transfer_params")
-    body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), PLAN_FIELD: plan}
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def _error_event(tail: bytes, engine_id: str) -> bytes:
-    """An SSE error event, after closing any event the engine left half-written."""
-    event = {
-        "error": {
-            "message": f"engine {engine_id} failed before the stream completed",
-            "type": "upstream_error",
-            "param": None,
-            "code": "engine_failed",
-        }
-    }
-    sep = b"" if tail.endswith(b"\n\n") else b"\n\n"
-    return sep + b"data: " + json.dumps(event).encode() + b"\n\n"

@@ -48,7 +48,12 @@ def test_a_stream_gets_headers_first_then_the_engines_bytes_then_finish_with_obs
             assert (done.reservation_id, done.outcome) == ("res-1", 1)
             assert done.observe_packed_hashes == plan.packed_hashes
             assert done.identity.tenant_id == "acme" and done.ttft_ms > 0
-            assert s.conductor.stream_calls == 2  # Plan and Finish went over PlanStream
+            # The first token was reported as it came, with the same TTFT.
+            assert plan.reports_first_token
+            assert [(p.reservation_id, p.ttft_ms) for p in s.conductor.prefilled] == [
+                ("res-1", done.ttft_ms)
+            ]
+            assert s.conductor.stream_calls == 3  # Plan, PREFILLED, Finish over PlanStream
             # Plain answers, over the same kept-alive engine connection.
             for _ in range(3):
                 plain = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}

@@ -51,6 +51,7 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
         self.plans: list[conductor_pb2.PlanRequest] = []
         self.reservations: list[str] = []  # the reservations handed out, in order
         self.finishes: list[conductor_pb2.FinishRequest] = []
+        self.prefilled: list[conductor_pb2.FinishRequest] = []  # first tokens reported
         self.planned_at: dict[str, float] = {}  # request id -> loop time its plan went out
         self.stream_calls = 0  # the calls made over PlanStream
         self.hit_blocks = 0  # of every plan: the prompt's blocks the engine has cached
@@ -74,7 +75,10 @@ class FakeConductor(conductor_pb2_grpc.ConductorServicer):
         )
 
     def finish(self, request: conductor_pb2.FinishRequest) -> conductor_pb2.FinishResponse:
-        self.finishes.append(request)
+        if request.outcome == conductor_pb2.FinishRequest.PREFILLED:
+            self.prefilled.append(request)  # not the end of the request
+        else:
+            self.finishes.append(request)
         return conductor_pb2.FinishResponse(released=True)
 
     def open_reservations(self) -> set[str]:

@@ -21,7 +21,8 @@ from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_core.wire.plan import pack_hashes
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
-from quillcache_gateway.server import Gateway, _Call, _Completion, upstream_body
+from quillcache_gateway.server import Gateway, _Call, _Completion
+from quillcache_gateway.wire import upstream_body
 from tests.support.vllm_publisher import VllmEventEncoder
 from tests.unit.test_tokenize import train_tokenizer
 

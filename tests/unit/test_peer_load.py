@@ -28,6 +28,9 @@ class Wire:
     def closed(self, res, linger_s: float, resident: bool) -> None:
         self.peers.apply("a", 1.0, snapshot=False, closed=[ClosedLoad(res.id, linger_s, resident)])
 
+    def prefilled(self, res) -> None:
+        self.peers.apply("a", 1.0, snapshot=False, prefilled=[res.id])
+
 
 def pair(events: bool = True, silence_s: float = 2.0):
     a, clock = make_state(events)
@@ -160,4 +163,20 @@ def test_an_engine_restart_ends_the_peers_overlay_on_it():
     assert not b.optimistic
     assert load(b, engine)[0] == 1  # its request is still counted until A closes it
     a.finish(running.reservation_id, "error")
+    assert load(b, engine) == (0, 0, 0)
+
+
+def test_a_first_token_reported_on_a_releases_the_prefill_on_b():
+    a, b, peers, clock = pair()
+    outcome = a.plan(make_request(8), first_token_reported=True)
+    engine = outcome.decision.engine.id
+    queued = load(a, engine)[1]
+    assert queued > 0 and load(b, engine)[1] == queued
+    clock.now += 1.0  # past the estimate: held on both until the report
+    peers.tick()
+    a.tick()
+    assert load(a, engine)[1] == queued and load(b, engine)[1] == queued
+    a.prefilled(outcome.reservation_id, 0.2)
+    assert load(a, engine) == load(b, engine) == (1, 0, 8)  # still running: decoding
+    a.finish(outcome.reservation_id, "success", ttft_s=0.2)
     assert load(b, engine) == (0, 0, 0)

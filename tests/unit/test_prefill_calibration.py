@@ -240,3 +240,35 @@ def test_a_long_prefill_is_priced_at_what_long_prefills_cost():
         speed.observe(x, cost(x) * rng.uniform(0.9, 1.1))
     for x in (1200, 1800):  # the long prompts' range
         assert speed.intercept_us + speed.us_per_token * x == pytest.approx(cost(x), rel=0.3)
+
+
+def test_a_reported_first_token_holds_the_prefill_until_it_comes():
+    """With the gateway reporting first tokens, a plan's queued prefill stays on its
+    engine past its estimated TTFT (the estimate of a speed learned too low would free
+    a busy engine early) and leaves at the report, which is also the TTFT learned."""
+    state = make_state()
+    engine = next(iter(state.engines.values())).state
+    request = make_request(40, seed=5)
+    outcome = state.plan(request, first_token_reported=True)
+    res = state.reservations[outcome.reservation_id]
+    queued = res.prefill_tokens
+    assert queued > 0 and engine.queued_prefill_tokens == queued
+    state.clock.now += 4 * outcome.decision.chosen.est_ttft_us / 1e6  # well past it
+    state.tick()
+    assert engine.queued_prefill_tokens == queued  # still computing, as far as we know
+    assert state.prefilled(outcome.reservation_id, 0.25)
+    assert engine.queued_prefill_tokens == 0
+    assert state.speeds.speeds[MODEL].samples == 1
+    state.finish(outcome.reservation_id, "success", ttft_s=0.25)
+    assert state.speeds.speeds[MODEL].samples == 1  # learned once
+    assert not state.prefilled(outcome.reservation_id, 0.25)  # finished: nothing left
+    # Without the report the estimate releases it, as before; and a report that never
+    # comes is bounded too.
+    plain = state.plan(make_request(40, seed=6))
+    state.clock.now += 2 * plain.decision.chosen.est_ttft_us / 1e6 + 1e-3
+    state.tick()
+    assert engine.queued_prefill_tokens == 0
+    lost = state.plan(make_request(40, seed=7), first_token_reported=True)
+    state.clock.now += 4 * lost.decision.chosen.est_ttft_us / 1e6 + 2.5
+    state.tick()
+    assert engine.queued_prefill_tokens == 0

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PlanRequest(_message.Message):
-    __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines", "packed_hashes", "block_tokens", "block_bytes", "action_runs", "max_others", "disagg")
+    __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines", "packed_hashes", "block_tokens", "block_bytes", "action_runs", "max_others", "disagg", "reports_first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class PlanRequest(_message.Message):
     ACTION_RUNS_FIELD_NUMBER: _ClassVar[int]
     MAX_OTHERS_FIELD_NUMBER: _ClassVar[int]
     DISAGG_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     identity: _common_pb2.Identity
     blocks: _containers.RepeatedCompositeFieldContainer[_common_pb2.BlockRef]
@@ -36,7 +37,8 @@ class PlanRequest(_message.Message):
     action_runs: bool
     max_others: int
     disagg: str
-    def __init__(self, request_id: _Optional[str] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., expected_decode_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ..., exclude_engines: _Optional[_Iterable[str]] = ..., packed_hashes: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., action_runs: _Optional[bool] = ..., max_others: _Optional[int] = ..., disagg: _Optional[str] = ...) -> None: ...
+    reports_first_token: bool
+    def __init__(self, request_id: _Optional[str] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., expected_decode_tokens: _Optional[int] = ..., slo: _Optional[_Union[_common_pb2.Slo, _Mapping]] = ..., exclude_engines: _Optional[_Iterable[str]] = ..., packed_hashes: _Optional[bytes] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., action_runs: _Optional[bool] = ..., max_others: _Optional[int] = ..., disagg: _Optional[str] = ..., reports_first_token: _Optional[bool] = ...) -> None: ...
 
 class BlockAction(_message.Message):
     __slots__ = ("kind", "block_index", "block_hash", "source_node", "source_address", "source_tier", "cost_us", "block_count")
@@ -158,10 +160,12 @@ class FinishRequest(_message.Message):
         SUCCESS: _ClassVar[FinishRequest.Outcome]
         ERROR: _ClassVar[FinishRequest.Outcome]
         CANCELLED: _ClassVar[FinishRequest.Outcome]
+        PREFILLED: _ClassVar[FinishRequest.Outcome]
     OUTCOME_UNSPECIFIED: FinishRequest.Outcome
     SUCCESS: FinishRequest.Outcome
     ERROR: FinishRequest.Outcome
     CANCELLED: FinishRequest.Outcome
+    PREFILLED: FinishRequest.Outcome
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -487,17 +491,19 @@ class SpeedSample(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., tokens: _Optional[int] = ..., ttft_us: _Optional[float] = ..., fetch_us: _Optional[float] = ...) -> None: ...
 
 class LoadDeltas(_message.Message):
-    __slots__ = ("conductor_id", "start_time_s", "snapshot", "opened", "closed", "heartbeat_s")
+    __slots__ = ("conductor_id", "start_time_s", "snapshot", "opened", "closed", "heartbeat_s", "prefilled")
     CONDUCTOR_ID_FIELD_NUMBER: _ClassVar[int]
     START_TIME_S_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     OPENED_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
     conductor_id: str
     start_time_s: float
     snapshot: bool
     opened: _containers.RepeatedCompositeFieldContainer[ReservationOpened]
     closed: _containers.RepeatedCompositeFieldContainer[ReservationClosed]
     heartbeat_s: float
-    def __init__(self, conductor_id: _Optional[str] = ..., start_time_s: _Optional[float] = ..., snapshot: _Optional[bool] = ..., opened: _Optional[_Iterable[_Union[ReservationOpened, _Mapping]]] = ..., closed: _Optional[_Iterable[_Union[ReservationClosed, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
+    prefilled: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, conductor_id: _Optional[str] = ..., start_time_s: _Optional[float] = ..., snapshot: _Optional[bool] = ..., opened: _Optional[_Iterable[_Union[ReservationOpened, _Mapping]]] = ..., closed: _Optional[_Iterable[_Union[ReservationClosed, _Mapping]]] = ..., heartbeat_s: _Optional[float] = ..., prefilled: _Optional[_Iterable[str]] = ...) -> None: ...

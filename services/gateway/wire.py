@@ -1,0 +1,52 @@
+"""Bytes the gateway writes beside an engine's own: the client's body as an engine gets
+it (the tenant's salt and the plan spliced in), and the SSE error event that ends a
+stream the engine broke off."""
+
+from __future__ import annotations
+
+import json
+
+from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
+
+
+def upstream_body(raw: bytes, payload: dict, ident, plan: dict) -> bytes:
+    """The client's JSON body with `cache_salt` and `kv_transfer_params.quillcache` set.
+
+    The usual body has neither field: the two are spliced in before the closing brace,
+    so the client's bytes are forwarded without re-encoding. A body that has either
+    (the salt is always the tenant's, never the client's) is re-encoded.
+    """
+    if "cache_salt" not in payload and "kv_transfer_params" not in payload:
+        plan_json = json.dumps(plan, separators=(",", ":")).encode()
+        head = raw[: raw.rindex(b"}")].rstrip()
+        sep = b"" if head.endswith(b"{") else b","
+        return b"".join(
+            (
+                head,
+                sep,
+                b'"cache_salt":',
+                ident.salt_json,
+                b',"kv_transfer_params":{"' + PLAN_FIELD.encode() + b'":',
+                plan_json,
+                b"}}",
+            )
+        )
+    body = dict(payload)
+    body["cache_salt"] = ident.identity.cache_salt
+    params = body.get("kv_transfer_params")
+    body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), PLAN_FIELD: plan}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def error_event(tail: bytes, engine_id: str) -> bytes:
+    """An SSE error event, after closing any event the engine left half-written."""
+    event = {
+        "error": {
+            "message": f"engine {engine_id} failed before the stream completed",
+            "type": "upstream_error",
+            "param": None,
+            "code": "engine_failed",
+        }
+    }
+    sep = b"" if tail.endswith(b"\n\n") else b"\n\n"
+    return sep + b"data: " + json.dumps(event).encode() + b"\n\n"
