@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 # After a node could not name its data port, gRPC only for this long before asking again.
 DATA_PORT_RETRY_S = 30.0
-MAX_PEERS = 1024  # peer nodes' data ports remembered
+MAX_PORTS = 1024  # nodes' data ports remembered
 
 
 @dataclass
@@ -79,12 +79,10 @@ class Pool:
         self._thread.start()
         self._client = StoreClient(store_address, timeout_s=timeout_s, tls=tls)
         self._batches = BlockBatches(io_timeout_s=timeout_s, tls=tls)
-        # The node's block-data port: None until asked, "" when it has none (gRPC only).
-        self._data_address: str | None = None
-        self._data_retry_at = 0.0
         self._tls = tls
-        # Peer node (gRPC address) -> (its data port or "", when to ask again if "").
-        self._peer_ports: dict[str, tuple[str, float]] = {}
+        # Node (gRPC address: this one or a peer) -> (its block-data port, or "" when it
+        # has none or could not be asked: gRPC only until the time given, then asked again).
+        self._ports: dict[str, tuple[str, float]] = {}
 
     def _call(self, coro) -> object:
         future: Future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -134,7 +132,7 @@ class Pool:
         ports unreachable) one gRPC Get each, with `allow_remote`."""
         found: list[bytes | None] = [None] * len(keys)
         loop = asyncio.get_running_loop()
-        address = await self._data_port()
+        address = await self._port_of(self.store_address)
         if address:
             found = await loop.run_in_executor(None, self._batches.get_many, address, keys)
             self.counters.data_port_batches += 1
@@ -144,7 +142,7 @@ class Pool:
             if peer and peer != self.store_address:
                 by_peer.setdefault(peer, []).append(i)
         for peer, indices in by_peer.items():
-            port = await self._peer_data_port(peer)
+            port = await self._port_of(peer)
             if not port:
                 continue
             wanted = [keys[i] for i in indices]
@@ -169,38 +167,28 @@ class Pool:
             found[i] = payload
         return found
 
-    async def _peer_data_port(self, peer: str) -> str:
-        """A peer node's block-data port ("" if it has none or cannot be asked now)."""
-        known = self._peer_ports.get(peer)
+    async def _port_of(self, address: str) -> str:
+        """A node's block-data port, this node's or a peer's ("" if it has none or cannot
+        be asked now)."""
+        known = self._ports.get(address)
         if known is not None and (known[0] or time.monotonic() < known[1]):
             return known[0]
-        if len(self._peer_ports) >= MAX_PEERS:
-            self._peer_ports.clear()
-        client = StoreClient(peer, timeout_s=self.timeout_s, tls=self._tls)
+        if len(self._ports) >= MAX_PORTS:
+            self._ports.clear()
+        own = address == self.store_address
+        client = (
+            self._client if own else StoreClient(address, timeout_s=self.timeout_s, tls=self._tls)
+        )
         try:
             port = str((await client.stats()).get("data_address", ""))
         except QuillCacheError as exc:
-            logger.warning("cannot ask peer %s for its data port: %s", peer, exc)
+            logger.warning("cannot ask %s for its data port: %s", address, exc)
             port = ""
         finally:
-            await client.close()
-        self._peer_ports[peer] = (port, time.monotonic() + DATA_PORT_RETRY_S)
+            if not own:
+                await client.close()
+        self._ports[address] = (port, time.monotonic() + DATA_PORT_RETRY_S)
         return port
-
-    async def _data_port(self) -> str:
-        """The node's block-data port ("" if it has none or could not be asked; asked
-        again a while after a failure)."""
-        if self._data_address is None or (
-            not self._data_address and time.monotonic() >= self._data_retry_at
-        ):
-            try:
-                self._data_address = str((await self._client.stats()).get("data_address", ""))
-            except QuillCacheError as exc:
-                logger.warning("cannot ask %s for its data port: %s", self.store_address, exc)
-                self._data_address = ""
-            if not self._data_address:
-                self._data_retry_at = time.monotonic() + DATA_PORT_RETRY_S
-        return self._data_address
 
     # --- saves (never wait) -------------------------------------------------------------
 
@@ -219,7 +207,7 @@ class Pool:
         started = time.perf_counter()
         try:
             rest = blocks
-            address = await self._data_port()
+            address = await self._port_of(self.store_address)
             if address:
                 rest = await self._save_batch(address, blocks)
             for key, payload in rest:

@@ -130,7 +130,8 @@ def test_a_data_port_that_fails_loses_no_save_and_no_load(lone_store):
     keys = [block_key(i, chain="dead") for i in range(6)]
     payloads = [kv_payload(40 + i, SHAPES["0.5MiB"]) for i in range(6)]
     pool = Pool(lone_store.grpc_address, tls=tls("engine"))
-    pool._data_address = f"127.0.0.1:{free_port()}"  # as if the port had closed
+    dead = f"127.0.0.1:{free_port()}"
+    pool._ports[pool.store_address] = (dead, float("inf"))  # as if the port had closed
     try:
         assert pool.save_later(list(zip(keys, payloads, strict=True))) == 6
         assert pool.flush(20.0)
