@@ -310,13 +310,19 @@ def _warm_up(target: Target, workload: str, system: str, scale: float) -> None:
     asyncio.run(drive(target, short, cutoff_s=20.0))
 
 
+def _prompt_scale(args) -> float:
+    """Prompt lengths' multiplier: --prompt-scale, else 0.12 on real vLLM (the tiny
+    model's 2,048-token context), 1 on the sim engines."""
+    return args.prompt_scale or (0.12 if args.engine == "vllm" else 1.0)
+
+
 def _engine_warm_up(args, engines, workloads, model: str, seconds: float) -> None:
     """Every workload at the heavy rate for `seconds`, straight to the engines in turn
     (unmeasured), before any system runs. On real vLLM a run's figures improved through
     the whole benchmark, whichever system ran first: sglang-router cache_aware's chat
     light mean TTFT was 30-33 ms run after QuillCache and 54 ms run first, so the first
     system paid for the engines' warming (`_warm_up`, 8 requests, was not enough)."""
-    scale = args.prompt_scale or (0.12 if args.engine == "vllm" else 1.0)
+    scale = _prompt_scale(args)
     rate = float(args.heavy_rps)
     for workload in [w for w in workloads if w not in ITL_WORKLOADS]:
         n = max(len(engines), round(rate * seconds))
@@ -527,7 +533,7 @@ def _engines(cluster, kind: str) -> list[Engine]:
 def _run(
     args, system, workload, load, rate, duration, target, engines, pids, ours_all, label
 ) -> tuple[dict, dict]:
-    scale = args.prompt_scale or (0.12 if args.engine == "vllm" else 1.0)
+    scale = _prompt_scale(args)
     # Real vLLM engines are slow for their first requests after a start: without this,
     # the first system's first run (QuillCache's) would pay for everyone.
     if workload in ITL_WORKLOADS or args.engine == "vllm":
