@@ -17,11 +17,11 @@ that spread the token counts out. A robust line through the recent samples
 (`PrefillSpeed`) gives the time a prefill token costs (the slope) beside a fixed part
 (the intercept: HTTP, scheduling, tokenizing, the first decode step), which the
 conductor adds to a plan's estimated TTFT when it releases the plan's queued prefill.
-The count ahead is what the reservations still hold, released at those estimated TTFTs;
-where these are too low, a request that waited behind work already released pairs a
-small count with a long TTFT and flattens the median slope instead of raising it (on
-real vLLM one replica once fell to the floor this way: README). Split requests are no
-samples
+The count ahead is what the reservations still hold: a streamed request's until the
+gateway reports its first token, a whole answer's until its estimated TTFT. Released at
+estimates that are too low, a request that waited behind work already released paired a
+small count with a long TTFT and flattened the median slope instead of raising it (on
+real vLLM the speed fell to the floor this way: README). Split requests are no samples
 (their TTFT is another engine's prefill). (The first design took samples only from idle
 engines: on vLLM here their TTFTs were mostly the intercept and its noise, and the slope
 read 4-49 us a token where a 1,024-token prefill alone costs about 160 us a token.)
