@@ -100,23 +100,29 @@ class _Tracked:
     producer: bool = False  # a prefill for a decode engine: saves are waited for
 
 
-def _prefill_for_another(request: Request) -> bool:
-    """Whether the gateway's plan marks this request as a prefill for a decode engine."""
+def _plan(request: Request) -> dict:
+    """The gateway's plan the request carries ({} for none, or one not an object)."""
     params = request.kv_transfer_params or {}
     plan = params.get(PLAN_FIELD) if isinstance(params, dict) else None
-    return isinstance(plan, dict) and plan.get("disagg") == "prefill"
+    return plan if isinstance(plan, dict) else {}
+
+
+def _plan_fetch(request: Request) -> list:
+    """The plan's fetch list: one entry a block ([] for none, or one not a list)."""
+    fetch = _plan(request).get("fetch")
+    return fetch if isinstance(fetch, list) else []
+
+
+def _prefill_for_another(request: Request) -> bool:
+    """Whether the gateway's plan marks this request as a prefill for a decode engine."""
+    return _plan(request).get("disagg") == "prefill"
 
 
 def _plan_sources(request: Request) -> dict[str, str]:
     """Block hash -> the peer store node (gRPC address) the gateway's plan fetches it from."""
-    params = request.kv_transfer_params or {}
-    plan = params.get(PLAN_FIELD) if isinstance(params, dict) else None
-    fetch = plan.get("fetch") if isinstance(plan, dict) else None
-    if not isinstance(fetch, list):
-        return {}
     return {
         str(a["block_hash"]): str(a["source_address"])
-        for a in fetch
+        for a in _plan_fetch(request)
         if isinstance(a, dict) and a.get("block_hash") and a.get("source_address")
     }
 
@@ -202,12 +208,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
     @staticmethod
     def _plan_fetchable(request: Request, held: int, total: int) -> int:
         """The leading blocks held here or, by the gateway's plan, on a peer store node."""
-        params = request.kv_transfer_params or {}
-        plan = params.get(PLAN_FIELD) if isinstance(params, dict) else None
-        fetch = plan.get("fetch") if isinstance(plan, dict) else None
-        if not isinstance(fetch, list):
-            return held
-        fetchable = {a.get("block_index") for a in fetch if isinstance(a, dict)}
+        fetchable = {a.get("block_index") for a in _plan_fetch(request) if isinstance(a, dict)}
         while held < total and held in fetchable:
             held += 1
         return held
