@@ -72,8 +72,8 @@ class MirroredIndex(IndexBackend):
         self._queue_puts(batch)
 
     def put_chain(self, chain: Chain) -> None:
-        """The memory copy's put_chain; `durable` gets the chain's records, built by
-        the thread that drains the queue, in the put_many of the writes around it."""
+        """The memory copy's put_chain; `durable` gets the chain at drain, in order with
+        the writes around it (one write batch)."""
         if type(chain.block_hashes) is not list:
             chain = chain._replace(block_hashes=list(chain.block_hashes))
         self._memory.put_chain(chain)
@@ -161,7 +161,7 @@ class MirroredIndex(IndexBackend):
         with self._drain_lock:
             with self._pending_lock:
                 ops, self._pending = self._pending, []
-            ops = [(op, (_expand(args[0]),) if op == "put_many" else args) for op, args in ops]
+            ops = _calls(ops)
             durable = self._durable
             try:  # the whole queue as one write (one LMDB transaction: all or none)
                 with durable.write_batch():
@@ -178,6 +178,8 @@ class MirroredIndex(IndexBackend):
                 except Exception:  # one write that cannot be stored must not lose the rest
                     if op == "put_many":  # its transaction wrote nothing: put them one by one
                         self._put_each(args[0])
+                    elif op == "put_chain":
+                        self._put_each(args[0].records())
                     else:
                         self.failed_writes += 1
                         logger.exception("index write %s could not reach the durable backend", op)
@@ -202,12 +204,25 @@ class MirroredIndex(IndexBackend):
         self._durable.close()
 
 
-def _expand(batch: list) -> list[CacheResidency]:
-    """A queued put_many's records, each put_chain's Chain replaced by its records."""
-    records: list[CacheResidency] = []
-    for item in batch:
-        if type(item) is Chain:  # (a record is a CacheResidency)
-            records += item.records()
-        else:
-            records.append(item)
-    return records
+def _calls(ops: list[tuple[str, tuple]]) -> list[tuple[str, tuple]]:
+    """The queued writes as the durable backend's calls, in order: each queued put_many
+    split into a put_many per run of records and a put_chain per Chain. The durable
+    backend gets a Chain as one (JournaledIndex: one compact frame, never its records;
+    others: put_many of its records, as before)."""
+    calls: list[tuple[str, tuple]] = []
+    for op, args in ops:
+        if op != "put_many":
+            calls.append((op, args))
+            continue
+        records: list[CacheResidency] = []
+        for item in args[0]:
+            if type(item) is Chain:  # (a record is a CacheResidency)
+                if records:
+                    calls.append(("put_many", (records,)))
+                    records = []
+                calls.append(("put_chain", (item,)))
+            else:
+                records.append(item)
+        if records:
+            calls.append(("put_many", (records,)))
+    return calls
