@@ -30,9 +30,15 @@ class _Metric:
         self.values: dict[tuple[str, ...], float] = {}
 
     def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
-        if set(labels) != set(self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(labels)}")
-        return tuple(str(labels[n]) for n in self.label_names)
+        names = self.label_names
+        if not names and not labels:
+            return ()
+        try:
+            if len(labels) == len(names):
+                return tuple([str(labels[n]) for n in names])
+        except KeyError:
+            pass
+        raise ValueError(f"{self.name} takes labels {names}, got {tuple(labels)}")
 
     def get(self, **labels: str) -> float:
         return self.values.get(self._key(labels), 0.0)
