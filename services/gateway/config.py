@@ -19,6 +19,14 @@ class GatewayConfig(TlsSettings):
         "", "conductor gRPC addresses host:port[,host:port] ('' = every one in the registry)"
     )
     registry: str = opt("memory", "NodeRegistry to find the conductor in: 'memory' or an etcd URL")
+    conductor_spread: str = opt(
+        "primary",
+        "which conductor replica plans: 'primary' (one replica: first the first in an order "
+        "every gateway shares, --conductor's, else the registry ids'; when it fails, the next "
+        "that answers, from then on; the others are hot standbys) or 'round-robin' (plans "
+        "spread over every replica)",
+        choices=("primary", "round-robin"),
+    )
     api_keys: str = opt(
         "",
         "API keys as tenant=key[,tenant=key...]; empty = no auth, every request is tenant 'default'",

@@ -206,6 +206,7 @@ class Gateway:
             use_plan_port=cfg.use_plan_port,
             channel_options=RECONNECT_OPTIONS,
             attempt_timeout_s=(self.fallback.timeout_s or cfg.plan_timeout_s) / 2,
+            spread=cfg.conductor_spread,
         )
         await self.conductor.start()
         self._stats = self.conductor

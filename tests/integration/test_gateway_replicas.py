@@ -1,6 +1,7 @@
-"""The gateway over two conductor replicas (in-process fakes): plans spread over both;
-one stopped or hung, every request is still planned, at once, by the other; each
-Finish reaches the replica that made its reservation."""
+"""The gateway over two conductor replicas (in-process fakes): plans go to the primary
+(or spread over both with `--conductor-spread round-robin`); one stopped or hung, every
+request is still planned, at once, by the other; each Finish reaches the replica that
+made its reservation."""
 
 from __future__ import annotations
 
@@ -29,9 +30,40 @@ async def _burst(s, n: int, offset: int = 0) -> list:
     return results
 
 
-def test_plans_spread_over_the_replicas_and_a_stopped_one_costs_nothing():
+def test_every_plan_goes_to_the_primary_and_the_standby_takes_over_when_it_stops():
     async def main():
         async with gateway_setup(2, conductors=2) as s:
+            a, b = s.replicas  # a is first in --conductor: the primary
+            results = await _burst(s, 20)
+            assert all(r[0] == 200 and PLAN not in r[1] for r in results), results
+            assert (len(a.plans), len(b.plans)) == (20, 0)
+            await until(lambda: not a.open_reservations())
+            _finished_where_reserved(s)
+            await s.stop_conductor()
+            results = await _burst(s, 10, offset=100)
+            assert all(r[0] == 200 and PLAN not in r[1] for r in results), results
+            assert (len(a.plans), len(b.plans)) == (20, 10)
+            await until(lambda: not b.open_reservations())
+            _finished_where_reserved(s)
+            # Back (a restarted replica's index may still be catching up), the old
+            # primary is a standby: the one that took over keeps planning.
+            await s.start_conductor()
+            await asyncio.sleep(1.1)  # its down mark has passed
+            results = await _burst(s, 10, offset=200)
+            assert all(r[0] == 200 and PLAN not in r[1] for r in results), results
+            assert (len(a.plans), len(b.plans)) == (20, 20)
+            # It takes over again when the new primary fails.
+            await s.stop_replica(1)
+            results = await _burst(s, 5, offset=300)
+            assert all(r[0] == 200 and PLAN not in r[1] for r in results), results
+            assert (len(a.plans), len(b.plans)) == (25, 20)
+
+    asyncio.run(main())
+
+
+def test_plans_spread_over_the_replicas_and_a_stopped_one_costs_nothing():
+    async def main():
+        async with gateway_setup(2, conductors=2, conductor_spread="round-robin") as s:
             a, b = s.replicas
             assert len(s.gateway.conductor.addresses) == 2
             results = await _burst(s, 20)
