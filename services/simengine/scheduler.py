@@ -78,6 +78,10 @@ class Scheduler:
         if delay > _MIN_SLEEP_S:
             await self._sleep(delay)
 
+    def booked_ahead_s(self) -> float:
+        """Seconds until the prefill server is free: a prefill booked now starts then."""
+        return max(0.0, self.queue.free_at - self._clock())
+
     async def prefill(self, tokens: int, started: asyncio.Event | None = None) -> float:
         """Wait for this request's turn and its prefill time; returns the end time.
         `started` is set when the prefill begins (its turn came)."""

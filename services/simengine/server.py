@@ -359,6 +359,9 @@ class SimEngineServer:
             "cache_capacity_blocks": self.engine.cache.capacity_blocks,
             "pinned_blocks": self.engine.cache.pinned_blocks,
             "requests_waiting": self.scheduler.waiting,
+            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens,
+            # How long a prefill booked now would wait for its turn (0 when idle).
+            "prefill_wait_ms": round(self.scheduler.booked_ahead_s() * 1000, 3),
             "requests_running": self.scheduler.running,
             "kv_events_next_seq": self.publisher.next_seq,
             "registered": self._registered,

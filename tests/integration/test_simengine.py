@@ -206,11 +206,23 @@ def test_prefills_queue_so_load_raises_ttft(engine_factory):
                     await reply.read()
                 return first
 
-            return sorted(await asyncio.gather(*(ttft(i * 5000) for i in range(3))))
+            async def queue_seen() -> dict:
+                await asyncio.sleep(prefill_s / 2)  # the three are booked by now
+                return await asyncio.to_thread(engine.stats)
 
-    ttfts = run(scenario())
+            *firsts, busy = await asyncio.gather(
+                *(ttft(i * 5000) for i in range(3)), queue_seen()
+            )
+            return sorted(firsts), busy
+
+    ttfts, busy = run(scenario())
     assert ttfts[0] >= prefill_s * 0.9
     assert ttfts[2] >= 3 * prefill_s * 0.9, ttfts  # the last one waited for two prefills
+    # /sim/stats: what is queued and how long a prefill booked now would wait.
+    assert busy["requests_waiting"] == 3 and busy["queued_prefill_tokens"] >= 3 * 1990
+    assert 1.5 * prefill_s * 1000 <= busy["prefill_wait_ms"] <= 3 * prefill_s * 1000, busy
+    idle = engine.stats()
+    assert (idle["queued_prefill_tokens"], idle["prefill_wait_ms"]) == (0, 0.0)
 
 
 # --- KV events ----------------------------------------------------------------------------
