@@ -90,12 +90,27 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> int:
     return got
 
 
+# TLS has no gather write: small parts are joined into writes of about this size.
+_TLS_WRITE_BYTES = 256 * 1024
+
+
 def send_parts(sock: socket.socket, parts: list) -> None:
-    """Send the buffers in order with as few syscalls as possible (no joining copy)."""
+    """Send the buffers in order with as few syscalls as possible: a gather write in the
+    clear (no joining copy); over TLS, one write per run of parts up to about 256 KiB
+    joined (a write per part was two Python-level TLS writes a block: a batch of 440
+    16 KiB puts took 880)."""
     views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
-    if isinstance(sock, ssl.SSLSocket):  # TLS has no gather write: one record per part
+    if isinstance(sock, ssl.SSLSocket):
+        run: list[memoryview] = []
+        size = 0
         for view in views:
-            sock.sendall(view)
+            if run and size + view.nbytes > _TLS_WRITE_BYTES:
+                sock.sendall(run[0] if len(run) == 1 else b"".join(run))
+                run, size = [], 0
+            run.append(view)
+            size += view.nbytes
+        if run:
+            sock.sendall(run[0] if len(run) == 1 else b"".join(run))
         return
     while views:
         sent = sock.sendmsg(views)
