@@ -93,6 +93,19 @@ def test_the_fetch_price_is_the_median_factor_once_there_are_enough():
     assert price.factor == pytest.approx(100.0)
 
 
+def test_a_fetch_is_never_priced_below_the_default():
+    """Requests whose TTFT the prefill line (its intercept) already exceeds read a factor
+    of at most 0: the price stays at the default, not at the clamp (fetches looked free
+    on real vLLM and the planner fetched where holders were the cheaper wait)."""
+    price = FetchPrice(min_samples=8)
+    for factor in [-3.0, -0.5, 0.0, 0.2, -1.0, 0.01, -7.0, 40.0, 0.5]:
+        price.observe(factor)
+    assert price.factor == 1.0
+    for factor in [30.0] * 12:
+        price.observe(factor)
+    assert price.factor == pytest.approx(30.0)
+
+
 def test_fetches_are_priced_at_what_they_cost_beyond_the_prefill_line():
     base = CostModel().queue_at_prefill_speed()
     speeds = ModelSpeeds(base)

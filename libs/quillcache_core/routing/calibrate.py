@@ -31,7 +31,14 @@ of fetching (`FetchPrice`), once the prefill line is known: what its TTFT holds 
 the line's intercept and its recomputed tokens, over what the default cost model prices
 its fetches at, is the factor that price is off by (vLLM's connector on these CPUs
 loads a block from a peer store node in about 6 ms, which the default prices at 55 us).
-The median of the last 32 such factors is used.
+The median of the last 32 such factors is used, never below 1: the defaults are a GPU
+server's prices (DMA from host DRAM, RDMA from a peer), which a fleet does not beat.
+Without that floor a line whose intercept outgrew the fetching requests' TTFTs (real
+vLLM here: TTFTs of 30-40 ms with a fixed part and outliers of 180) read every factor
+as at most 0, the median went to the clamp (0.005), fetches looked free, and the
+planner sent most document questions to the other engine to load 50-60 blocks from
+the pool (`bench-live --engine vllm` docqa: 69 of 90 plans fetched, estimated at 1 ms,
+taking 91 ms).
 
 `scaled` derives the cost model the planner then uses: the learned prefill speed, and
 every other compute term of the engines (queue, decode, hits, the running-decode
@@ -56,6 +63,8 @@ __all__ = ["FetchPrice", "ModelSpeeds", "PrefillSpeed", "scaled"]
 # The learned speed stays within this factor of the default either way (a CPU test fleet
 # at time scale 0.02 is 1/50 of it, vLLM on CPU about 20x).
 MAX_FACTOR = 200.0
+# A fetch is never priced below the cost model's default (see the module docstring).
+MIN_FETCH_FACTOR = 1.0
 
 
 class PrefillSpeed:
@@ -135,7 +144,7 @@ class FetchPrice:
         """Add one measured factor; returns True when the estimate changed."""
         if not math.isfinite(factor):
             return False
-        self._recent.append(min(max(factor, 1.0 / MAX_FACTOR), MAX_FACTOR))
+        self._recent.append(min(max(factor, MIN_FETCH_FACTOR), MAX_FACTOR))
         self.samples += 1
         if len(self._recent) < self.min_samples:
             return False
