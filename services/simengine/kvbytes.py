@@ -10,8 +10,9 @@ inf or NaN): a fixed pseudo-random pad of the block's size (made once per size) 
 with a 64-bit word derived from the hash, two whole-array passes. Measured here: a 16
 KiB block 13 us, 1 MiB 1.3 ms (a PCG64 generator seeded per block: 68-100 us and 2-4
 ms; at a few thousand blocks a second the engines' CPU went on making bytes a real
-engine has in memory already). Call it from a worker thread for large blocks. Two blocks' bytes are equal only if the 56 bits of their words
-the mask keeps agree (one chance in 2**56).
+engine has in memory already). Call it from a worker thread for large blocks. Two
+blocks' bytes are equal only if the 56 bits of their words the mask keeps agree (one
+chance in 2**56).
 """
 
 from __future__ import annotations

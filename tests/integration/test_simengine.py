@@ -210,9 +210,7 @@ def test_prefills_queue_so_load_raises_ttft(engine_factory):
                 await asyncio.sleep(prefill_s / 2)  # the three are booked by now
                 return await asyncio.to_thread(engine.stats)
 
-            *firsts, busy = await asyncio.gather(
-                *(ttft(i * 5000) for i in range(3)), queue_seen()
-            )
+            *firsts, busy = await asyncio.gather(*(ttft(i * 5000) for i in range(3)), queue_seen())
             return sorted(firsts), busy
 
     ttfts, busy = run(scenario())
