@@ -1,4 +1,5 @@
-"""How `quillcache up --engine vllm` shares a machine's cores out between vLLM engines."""
+"""How `quillcache up --engine vllm` shares a machine's cores out between vLLM engines, and
+picks the ports a vLLM server binds later."""
 
 from __future__ import annotations
 
@@ -63,3 +64,22 @@ def test_an_engine_s_command_runs_niced_and_so_does_its_session(tmp_path):
     if Path("/proc/self/autogroup").exists():
         assert group == "10"
     assert niced(["vllm", "serve"], 0) == ["vllm", "serve"]
+
+
+def test_ports_picked_for_a_vllm_server_are_never_what_a_bind_to_port_0_returns():
+    """vLLM binds the picked ports up to a minute later, while its own processes bind
+    port-0 sockets: a picked port must lie outside the range those come from."""
+    import socket
+
+    from quillcache_core.launch.vllm_engine import PICKED_PORTS_FROM, _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    picked = {free_port() for _ in range(20)}
+    if low > PICKED_PORTS_FROM + 1000:
+        assert all(PICKED_PORTS_FROM <= port < low for port in picked), (low, picked)
+        with socket.socket() as sock:  # what vLLM's own sockets get
+            sock.bind(("127.0.0.1", 0))
+            assert sock.getsockname()[1] >= low
+    for port in picked:  # free when picked: bindable now
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import ssl
 from collections.abc import Sequence
@@ -30,7 +31,40 @@ VLLM_ENV = {
 }
 
 
+# Ports picked for a vLLM server come from here, below the kernel's ephemeral range.
+PICKED_PORTS_FROM = 10_000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
+    """A TCP port on 127.0.0.1, free now, that no bind to port 0 hands out meanwhile.
+
+    A vLLM server binds the ports picked for it up to a minute later (the KV connector's
+    metrics port once the model is loaded), while it and its workers bind port-0 sockets
+    of their own, and Linux readily hands a just-released port to the next bind(0): a
+    port picked that way was taken by then ("Address already in use", the engine core
+    failed to start; twice in one day here). So the port comes from below the ephemeral
+    range (`ip_local_port_range`), which bind(0) never returns; where that range starts
+    too low, from bind(0) as before.
+    """
+    low = _ephemeral_low()
+    if low > PICKED_PORTS_FROM + 1000:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(PICKED_PORTS_FROM, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
