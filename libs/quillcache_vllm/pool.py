@@ -54,8 +54,6 @@ class PoolCounters:
     save_seconds: float = 0.0
     load_seconds: float = 0.0
     lookups: int = 0
-    # The scheduler waits for each lookup (get_num_new_matched_tokens): its time in all.
-    lookup_seconds: float = 0.0
     data_port_batches: int = 0  # saves and loads sent as one batch on the data port
     blocks_loaded_from_peers: int = 0  # straight from the data port of the plan's peer
 
@@ -97,14 +95,11 @@ class Pool:
         if not keys:
             return 0
         self.counters.lookups += 1
-        started = time.perf_counter()
         try:
             tiers = self._call(self._client.exists(list(keys)))
         except (QuillCacheError, TimeoutError) as exc:
             logger.warning("pool lookup at %s failed: %s", self.store_address, exc)
             return 0
-        finally:
-            self.counters.lookup_seconds += time.perf_counter() - started
         held = 0
         for tier in tiers:
             if tier is None:

@@ -67,7 +67,6 @@ def test_saves_and_loads_of_a_step_are_one_batch_on_the_data_port(fleet, path):
         assert pool.counters.blocks_loaded == 25
         assert pool.counters.blocks_load_failed == 1
         assert pool.leading_held([*keys[:3], absent, keys[3]]) == 3
-        assert 0 < pool.counters.lookup_seconds < 5  # what the scheduler waited for lookups
     finally:
         pool.close()
     # one save batch and one load request on the data port, or none without one
