@@ -23,8 +23,9 @@ import pytest
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.vllm_engine import VLLM_NICE
 from tests.e2e.test_vllm import env, post, text  # noqa: F401 - env is the fixture
-from tests.e2e.test_vllm_connector import connector
+from tests.e2e.test_vllm_connector import connector, metric
 from tests.support.cluster import tenant_context
+from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -97,6 +98,22 @@ def through_gateway(
     return headers, "".join(pieces), usage, [p for p in pieces if p]
 
 
+def engines_idle(endpoints) -> None:
+    """Wait until no engine runs or queues a request. vLLM's numerics depend on what a
+    step batches (another request decoding beside this one changes its logits a little),
+    and the tiny random model's near-ties then pick other tokens: a run compared token
+    for token with another must be alone on its engine, as the reference was."""
+
+    def idle() -> bool:
+        return all(
+            metric(endpoints, endpoints["metrics"][f"engine-{i}"], name) == 0
+            for i in range(len(endpoints["engines"]))
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+        )
+
+    wait_until(idle, timeout_s=30, interval_s=0.05, what="the engines idle")
+
+
 def output_of(choice: dict) -> str:
     if "message" in choice:
         return choice["message"]["content"] or ""
@@ -121,9 +138,11 @@ def test_a_split_request_decodes_from_the_pool_and_equals_a_colocated_run(
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     prompt = text(seed, 300)
     # The colocated run: the whole request on one engine (engine-0), nothing from the pool.
+    engines_idle(endpoints)
     reference = post(cluster, endpoints["engines"][0] + path, body(kind, prompt, False))
     expected = output_of(reference["choices"][0])
     loaded = connector(endpoints, "engine-1", "blocks_loaded")
+    engines_idle(endpoints)
     headers, got, usage, pieces = through_gateway(endpoints, path, body(kind, prompt, stream))
     blocks = usage["prompt_tokens"] // ENGINE_BLOCK  # whole vLLM blocks, its last token aside
     loaded_now = connector(endpoints, "engine-1", "blocks_loaded") - loaded
@@ -146,6 +165,7 @@ def test_a_split_request_decodes_from_the_pool_and_equals_a_colocated_run(
     assert usage["completion_tokens"] == reference_usage["completion_tokens"]
     if stream:  # the first streamed token (the prefill's) is a colocated stream's first
         colocated = {"x-quillcache-disagg": "colocated"}
+        engines_idle(endpoints)
         _, _, _, alone = through_gateway(endpoints, path, body(kind, prompt, stream), colocated)
         assert pieces[0] == alone[0] and "".join(alone) == expected
     # engine-1 loaded the prompt's KV (16-token store blocks) instead of computing it
