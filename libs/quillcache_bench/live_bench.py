@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                     seconds = _decode_seconds(args, duration) if timed else duration
                     figures, detail = _run(
                         args, system, workload, load, rate, seconds, target, engines,
-                        pids, everything_ours, label,
+                        pids, everything_ours, label, endpoints,
                     )  # fmt: skip
                     if router is None:
                         gateway1 = _gateway_counters(endpoints)
@@ -460,6 +460,26 @@ def _stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return means
 
 
+# The vLLM connectors' scheduler sides: store lookups, asked inside vLLM's scheduling step
+# (every system's requests on the engines pay them; QuillCache's plans skip most).
+LOOKUPS = {
+    "connector_store_lookups": "quillcache_connector_lookups_total",
+    "connector_lookup_s": "quillcache_connector_lookup_seconds",
+}
+
+
+def _connector_lookups(endpoints: dict) -> dict[str, float]:
+    """LOOKUPS so far, summed over the engines' connectors (empty with sim engines)."""
+    total: dict[str, float] = {}
+    for name, url in endpoints["metrics"].items():
+        if name.endswith("-connector-scheduler"):
+            sums = _metric_sums(endpoints, url, LOOKUPS.values())
+            for field, metric in LOOKUPS.items():
+                if metric in sums:
+                    total[field] = total.get(field, 0.0) + sums[metric]
+    return total
+
+
 LEARNED = {
     "prefill_us_per_token": "quillcache_prefill_us_per_token",
     "prefill_samples": "quillcache_prefill_samples_total",
@@ -531,8 +551,9 @@ def _engines(cluster, kind: str) -> list[Engine]:
 
 
 def _run(
-    args, system, workload, load, rate, duration, target, engines, pids, ours_all, label
-) -> tuple[dict, dict]:
+    args, system, workload, load, rate, duration, target, engines, pids, ours_all, label,
+    endpoints,
+) -> tuple[dict, dict]:  # fmt: skip
     scale = _prompt_scale(args)
     # Real vLLM engines are slow for their first requests after a start: without this,
     # the first system's first run (QuillCache's) would pay for everyone.
@@ -547,12 +568,14 @@ def _run(
     n = max(4, round(rate * duration))
     sessions = make_sessions(workload, n, rate, seed, nonce, size_scale=scale)
     before = [e.counters() for e in engines]
+    lookups0 = _connector_lookups(endpoints)
     cpu0, all0 = tree_cpu_s(pids), tree_cpu_s(ours_all)
     progress = Progress(label, n)
     samples = asyncio.run(
         drive(target, sessions, on_done=progress.advance, cutoff_s=max(3 * duration, 20.0))
     )
     cpu1, all1 = tree_cpu_s(pids), tree_cpu_s(ours_all)
+    lookups1 = _connector_lookups(endpoints)
     served = [e.counters().minus(b) for e, b in zip(engines, before, strict=True)]
     figures = summarise(samples, served, cpu1 - cpu0, itl=workload in ITL_WORKLOADS)
     detail = {
@@ -562,6 +585,9 @@ def _run(
         "quillcache_processes_cpu_s": round(all1 - all0, 3),
         "first_errors": [s.error for s in samples if s.error][:3],
     }
+    for field in LOOKUPS:
+        if field in lookups0 and field in lookups1:
+            detail[field] = round(lookups1[field] - lookups0[field], 3)
     detail["slowest"] = _slowest(samples)
     kinds = _by_plan_kind(samples)
     if kinds:

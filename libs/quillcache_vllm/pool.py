@@ -53,7 +53,10 @@ class PoolCounters:
     blocks_load_failed: int = 0  # missing, corrupt or unreachable: recomputed instead
     save_seconds: float = 0.0
     load_seconds: float = 0.0
-    lookups: int = 0
+    lookups: int = 0  # Exists asked of the store node (scheduler side)
+    lookup_seconds: float = 0.0
+    lookups_planned: int = 0  # answered from the conductor's plan, no store call
+    lookups_skipped: int = 0  # vLLM's own hit covered the prompt: nothing to ask
     data_port_batches: int = 0  # saves and loads sent as one batch on the data port
     blocks_loaded_from_peers: int = 0  # straight from the data port of the plan's peer
 
@@ -95,11 +98,14 @@ class Pool:
         if not keys:
             return 0
         self.counters.lookups += 1
+        started = time.perf_counter()
         try:
             tiers = self._call(self._client.exists(list(keys)))
         except (QuillCacheError, TimeoutError) as exc:
             logger.warning("pool lookup at %s failed: %s", self.store_address, exc)
             return 0
+        finally:
+            self.counters.lookup_seconds += time.perf_counter() - started
         held = 0
         for tier in tiers:
             if tier is None:

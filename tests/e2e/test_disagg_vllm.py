@@ -69,7 +69,7 @@ def through_gateway(
     endpoints, path: str, payload: dict, extra: dict | None = None
 ) -> tuple[dict, str, dict, list[str]]:
     """(headers, output text, usage, streamed pieces) of one request through the gateway
-    as acme."""
+    as acme; a streamed answer's usage also holds its choice's `finish_reason`."""
     request = urllib.request.Request(
         endpoints["gateway_url"] + path,
         data=json.dumps(payload).encode(),
@@ -85,7 +85,7 @@ def through_gateway(
     if not payload["stream"]:
         answer = json.loads(raw)
         return headers, output_of(answer["choices"][0]), answer["usage"], []
-    pieces, usage = [], {}
+    pieces, usage, finish = [], {}, None
     assert raw.rstrip().endswith(b"data: [DONE]")
     for line in raw.decode().splitlines():
         if not line.startswith("data: {"):
@@ -95,7 +95,8 @@ def through_gateway(
             usage = event["usage"]
         for choice in event.get("choices") or []:
             pieces.append(output_of(choice))
-    return headers, "".join(pieces), usage, [p for p in pieces if p]
+            finish = choice.get("finish_reason") or finish
+    return headers, "".join(pieces), {**usage, "finish_reason": finish}, [p for p in pieces if p]
 
 
 def engines_idle(endpoints) -> None:
@@ -166,13 +167,18 @@ def test_a_split_request_decodes_from_the_pool_and_equals_a_colocated_run(
     if stream:  # the first streamed token (the prefill's) is a colocated stream's first
         colocated = {"x-quillcache-disagg": "colocated"}
         engines_idle(endpoints)
-        _, _, _, alone = through_gateway(endpoints, path, body(kind, prompt, stream), colocated)
+        _, _, ended, alone = through_gateway(endpoints, path, body(kind, prompt, stream), colocated)
+        print(f"colocated stream: {len(alone)} pieces, finish_reason {ended['finish_reason']}")
         # Only its first piece is compared: in two of three full CI runs of one day this
         # third run of the prompt (colocated, through the gateway) streamed its first
         # piece and ended there, where the reference wrote 7-16 pieces; alone the file
-        # passed. An open question (closing note of 2026-11-28), not what this test is
-        # about: the split answer equals the colocated reference, asserted above.
+        # passed. Our reading (not proven): it reuses the prompt's cached KV, so its
+        # numerics differ from the reference's full prefill, and the tiny random model's
+        # near-ties can pick its end-of-sequence token. Its stream must still end as an
+        # answer does (a finish reason, its usage), not cut off.
         assert pieces[0] == alone[0]
+        assert ended["finish_reason"] in ("stop", "length")
+        assert ended["completion_tokens"] >= len(alone)
     # engine-1 loaded the prompt's KV (16-token store blocks) instead of computing it
     assert loaded_now >= 2 * (blocks - 1)
     assert cached >= ENGINE_BLOCK * (blocks - 1)

@@ -65,9 +65,22 @@ def metric(endpoints, url: str, name: str) -> float:
     return 0.0
 
 
-def connector(endpoints, engine: str, what: str) -> float:
+def connector(endpoints, engine: str, what: str, side: str = "") -> float:
+    """A connector counter: the worker's (loads, saves) or, with side="-scheduler", the
+    scheduler side's (lookups)."""
     return metric(
-        endpoints, endpoints["metrics"][f"{engine}-connector"], f"quillcache_connector_{what}_total"
+        endpoints,
+        endpoints["metrics"][f"{engine}-connector{side}"],
+        f"quillcache_connector_{what}_total",
+    )
+
+
+def lookups(endpoints, engine: str) -> tuple[float, float]:
+    """(store lookups, lookups answered from the conductor's plan) of the engine's
+    scheduler side."""
+    return (
+        connector(endpoints, engine, "lookups", "-scheduler"),
+        connector(endpoints, engine, "lookups_planned", "-scheduler"),
     )
 
 
@@ -103,18 +116,57 @@ def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same
     reset_cache(cluster, endpoints, engine)
     loaded = connector(endpoints, engine, "blocks_loaded")
     external = external_hits(endpoints, engine)
+    asked, planned = lookups(endpoints, engine)
     headers, again = ask(endpoints, kind, MODEL, prompt, max_tokens=16)
+    asked_after, planned_after = lookups(endpoints, engine)
     print(
         f"{kind}: plan hit {hits(headers)} fetch {headers['x-quillcache-fetch-blocks']}; "
         f"loaded {connector(endpoints, engine, 'blocks_loaded') - loaded} blocks, "
-        f"vLLM external hits {external_hits(endpoints, engine) - external} tokens"
+        f"vLLM external hits {external_hits(endpoints, engine) - external} tokens; "
+        f"store lookups {asked_after - asked}, from the plan {planned_after - planned}"
     )
     assert headers["x-quillcache-engine"] == engine
     assert int(headers["x-quillcache-fetch-blocks"]) > 0  # the plan credits the pool
+    # The scheduler took the pool's blocks from the plan: its step waited on no store call.
+    assert planned_after > planned and asked_after == asked
     assert connector(endpoints, engine, "blocks_loaded") - loaded >= 2 * (blocks - 1)
     assert external_hits(endpoints, engine) - external >= 32 * (blocks - 1)
     assert cached(again) >= 32 * (blocks - 1)
     assert output(again, kind) == output(first, kind)  # token for token
+
+
+def test_a_request_without_a_plan_finds_the_prefix_in_the_store_node(pool_fleet, env):  # noqa: F811
+    """Straight to the engine (no gateway, no plan): the scheduler asks its store node."""
+    cluster, endpoints = pool_fleet
+    prompt = text(90, 300)
+    before = saved_counts(endpoints)
+    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
+    engine = headers["x-quillcache-engine"]
+    blocks = first.usage.prompt_tokens // 32
+    saved(endpoints, engine, blocks, before)
+    reset_cache(cluster, endpoints, engine)
+    asked, _ = lookups(endpoints, engine)
+    external = external_hits(endpoints, engine)
+    tokens = request_tokens("completion", {"prompt": prompt}, ModelTokenizer(env.model_dir))
+    url = endpoints["engines"][int(engine.rsplit("-", 1)[1])]
+    again = post(
+        cluster,
+        url + "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": tokens,
+            "max_tokens": 16,
+            "temperature": 0,
+            "cache_salt": salt_of(cluster.certs_dir, "acme"),
+        },
+    )
+    print(
+        f"no plan: store lookups {lookups(endpoints, engine)[0] - asked}, vLLM external "
+        f"hits {external_hits(endpoints, engine) - external} tokens"
+    )
+    assert lookups(endpoints, engine)[0] > asked
+    assert external_hits(endpoints, engine) - external >= 32 * (blocks - 1)
+    assert again["choices"][0]["text"] == first.choices[0].text
 
 
 def saved_counts(endpoints) -> dict[str, float]:

@@ -261,9 +261,10 @@ class LocalCluster:
                 "transfer": transfer.fields["metrics"] + "/metrics",
                 **{e.name: e.fields["http"] + "/metrics" for e in engines},
                 **{
-                    f"{e.name}-connector": e.fields["connector_metrics"]
+                    f"{e.name}-connector{side}": e.fields[f"connector{side}_metrics"]
                     for e in engines
-                    if "connector_metrics" in e.fields
+                    for side in ("", "-scheduler")
+                    if f"connector{side}_metrics" in e.fields
                 },
             },
             "api_keys": dict(self.api_keys),
@@ -340,6 +341,7 @@ class LocalCluster:
             events = f"ipc://{sockets}/engine-{i}-events"
             replay = f"ipc://{sockets}/engine-{i}-replay"
         connector_metrics = vllm_engine.free_port()
+        scheduler_metrics = vllm_engine.free_port()
         name = f"engine-{i}"
         argv = env.serve_command() + vllm_engine.serve_args(
             model_dir,
@@ -355,6 +357,7 @@ class LocalCluster:
                 "tokenizer": options.get("tokenizer", str(model_dir)),
                 "index_block_tokens": 16,
                 "metrics_port": connector_metrics,
+                "scheduler_metrics_port": scheduler_metrics,
                 **({"insecure": True} if tls is None else {"tls_dir": str(self.certs_dir)}),
             },
             extra=options.get("vllm_args"),
@@ -410,6 +413,9 @@ class LocalCluster:
             timeout_s,
         )
         child.fields["connector_metrics"] = f"{scheme}://127.0.0.1:{connector_metrics}/metrics"
+        child.fields["connector-scheduler_metrics"] = (
+            f"{scheme}://127.0.0.1:{scheduler_metrics}/metrics"
+        )
         child.fields["events"] = events
         child.fields["replay"] = replay
         return child
