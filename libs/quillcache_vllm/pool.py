@@ -57,6 +57,7 @@ class PoolCounters:
     lookup_seconds: float = 0.0
     lookups_planned: int = 0  # answered from the conductor's plan, no store call
     lookups_skipped: int = 0  # vLLM's own hit covered the prompt: nothing to ask
+    lookups_late: int = 0  # not answered by the deadline: the request computed instead
     data_port_batches: int = 0  # saves and loads sent as one batch on the data port
     blocks_loaded_from_peers: int = 0  # straight from the data port of the plan's peer
 
@@ -95,13 +96,24 @@ class Pool:
 
     def leading_held(self, keys: Sequence[KvBlockKey]) -> int:
         """How many of `keys`, from the first, this store node holds (any tier)."""
+        try:
+            return self.leading_held_later(keys).result(self.timeout_s + 1.0)
+        except TimeoutError:
+            return 0
+
+    def leading_held_later(self, keys: Sequence[KvBlockKey]) -> Future:
+        """`leading_held` asked in the background: a Future of the count (0 where the
+        node could not be asked)."""
+        return asyncio.run_coroutine_threadsafe(self._leading_held(list(keys)), self._loop)
+
+    async def _leading_held(self, keys: list[KvBlockKey]) -> int:
         if not keys:
             return 0
         self.counters.lookups += 1
         started = time.perf_counter()
         try:
-            tiers = self._call(self._client.exists(list(keys)))
-        except (QuillCacheError, TimeoutError) as exc:
+            tiers = await self._client.exists(keys)
+        except QuillCacheError as exc:
             logger.warning("pool lookup at %s failed: %s", self.store_address, exc)
             return 0
         finally:

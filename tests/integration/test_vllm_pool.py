@@ -67,6 +67,9 @@ def test_saves_and_loads_of_a_step_are_one_batch_on_the_data_port(fleet, path):
         assert pool.counters.blocks_loaded == 25
         assert pool.counters.blocks_load_failed == 1
         assert pool.leading_held([*keys[:3], absent, keys[3]]) == 3
+        # asked in the background (the scheduler's way): the same count
+        assert pool.leading_held_later([*keys[:5], absent]).result(10) == 5
+        assert pool.counters.lookups == 2 and pool.counters.lookup_seconds > 0
     finally:
         pool.close()
     # one save batch and one load request on the data port, or none without one
@@ -139,5 +142,16 @@ def test_a_data_port_that_fails_loses_no_save_and_no_load(lone_store):
         assert _puts(lone_store) == 6
         assert pool.get_many(keys) == payloads
         assert pool.counters.blocks_load_failed == 0
+    finally:
+        pool.close()
+
+
+def test_a_lookup_at_an_unreachable_store_node_counts_nothing_held(tmp_path):
+    """The scheduler's lookup when the node is down: 0 held (the request computes)."""
+    pool = Pool(f"127.0.0.1:{free_port()}", timeout_s=2.0, tls=tls("engine"))
+    try:
+        assert pool.leading_held_later([block_key(0, chain="down")]).result(10) == 0
+        assert pool.leading_held([block_key(1, chain="down")]) == 0
+        assert pool.counters.lookups == 2
     finally:
         pool.close()
