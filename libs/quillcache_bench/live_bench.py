@@ -28,6 +28,8 @@ same counters. With `--engine vllm` (vLLM has one port) the whole cluster runs
 The sim engines run with 16 KiB KV blocks on every workload (`KV_SHAPE`), and save what
 they compute to their store nodes (`--store-writes computed`, as QuillCache's KV
 connector does) only in QuillCache's rows; behind a router they write nothing there.
+Likewise real vLLM engines bypass their KV connector while a router's rows run (its
+`bypass_file`): no pool lookup, load or save, as vLLM without it.
 Before each run every engine's prefix cache is emptied, and every prompt of a run opens
 with a nonce of that run, so no system inherits another's cache (the stores included).
 Real vLLM engines are warmed up first, before any system runs (`--engine-warmup-s`: every
@@ -238,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         baseline = [e.settings() for e in engines] if args.engine == "sim" else []
         for system in systems:
             router = None
+            # A router's deployment has no pool: behind one the vLLM engines run as
+            # without the connector (no lookups, loads or saves), the stronger reference.
+            _bypass_connector(data_dir, system not in ("quillcache", SPLIT))
             if system not in ("quillcache", SPLIT):
                 router = _router(system, [e.url for e in engines], data_dir / "logs")
                 if router is None:
@@ -500,6 +505,20 @@ def _learned(endpoints: dict) -> dict[str, dict[str, float]]:
     return found
 
 
+def _bypass_file(data_dir: Path) -> Path:
+    """While this file exists the vLLM engines' KV connector is bypassed: requests are
+    served as by vLLM without it (no pool lookup, load or save), as behind a router."""
+    return data_dir / "connector-bypass"
+
+
+def _bypass_connector(data_dir: Path, bypass: bool) -> None:
+    path = _bypass_file(data_dir)
+    if bypass:
+        path.touch()
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _start_cluster(args, data_dir: Path):
     from quillcache_core.launch.cluster import ClusterError, LocalCluster
     from quillcache_core.launch.cluster import build_parser as up_parser
@@ -512,7 +531,9 @@ def _start_cluster(args, data_dir: Path):
     options = (
         {i: {"sim_args": ["--plain-http-port", "0", *shape]} for i in range(args.engines)}
         if args.engine == "sim"
-        else {}
+        else {
+            i: {"connector_bypass_file": str(_bypass_file(data_dir))} for i in range(args.engines)
+        }
     )
     sized = ["--block-bytes", str(BLOCK_BYTES)] if args.engine == "sim" else []
     cluster = LocalCluster(

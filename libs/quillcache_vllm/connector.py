@@ -14,7 +14,9 @@ the `engine` role (`"insecure": true` instead for an --insecure pool); `model` a
 `tokenizer` as the engine's registry record names them; `metrics_port`: the worker's
 counters at /metrics (HTTPS with `tls_dir`), 0 = none; `scheduler_metrics_port`: the
 scheduler side's likewise; `max_pending_bytes`: the save queue's bound;
-`lookup_deadline_ms`: how long a request waits for a store lookup.)
+`lookup_deadline_ms`: how long a request waits for a store lookup; `bypass_file`: while
+a file of that path exists, requests that arrive are served as without the connector
+(no lookup, no load, no save: what `bench-live` uses while a router's rows run).)
 
 vLLM builds one instance in its scheduler and one in its worker.
 
@@ -56,6 +58,7 @@ bounded background writer (`pool.Pool`), which drops and counts rather than bloc
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -180,6 +183,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         # was asked, the Future of the count after it, the deadline)
         self._lookups: dict[str, tuple[int, Future, float]] = {}
         self.lookup_deadline_s = float(extra.get("lookup_deadline_ms", 250)) / 1000
+        self.bypass_file = str(extra.get("bypass_file") or "")
         # worker side
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._load_errors: set[int] = set()
@@ -245,6 +249,9 @@ class QuillCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self.bypass_file and os.path.exists(self.bypass_file):
+            self.pool.counters.requests_bypassed += 1
+            return 0, False  # not tracked: nothing loaded or saved for it
         keys = self._keys(request)
         held = self._held(request, keys, num_computed_tokens // self.index_block)
         if held is None:

@@ -58,6 +58,7 @@ class PoolCounters:
     lookups_planned: int = 0  # answered from the conductor's plan, no store call
     lookups_skipped: int = 0  # vLLM's own hit covered the prompt: nothing to ask
     lookups_late: int = 0  # not answered by the deadline: the request computed instead
+    requests_bypassed: int = 0  # served as without the connector (its bypass file)
     data_port_batches: int = 0  # saves and loads sent as one batch on the data port
     blocks_loaded_from_peers: int = 0  # straight from the data port of the plan's peer
 

@@ -41,8 +41,10 @@ SSD_MAP_BYTES = 2 * 4 * 1024**3 + 256 * 1024**2  # the store's LMDB map at its d
 
 @pytest.fixture(scope="module")
 def pool_fleet(env, tmp_path_factory):  # noqa: F811 - the fixture of test_vllm
+    data_dir = tmp_path_factory.mktemp("vllm-pool")
     cluster = LocalCluster(
-        tmp_path_factory.mktemp("vllm-pool"),
+        data_dir,
+        engine_options={i: {"connector_bypass_file": str(data_dir / "bypass")} for i in (0, 1)},
         engines=2,
         stores=2,
         log=lambda *_: None,
@@ -167,6 +169,37 @@ def test_a_request_without_a_plan_finds_the_prefix_in_the_store_node(pool_fleet,
     assert lookups(endpoints, engine)[0] > asked
     assert external_hits(endpoints, engine) - external >= 32 * (blocks - 1)
     assert again["choices"][0]["text"] == first.choices[0].text
+
+
+def test_while_its_bypass_file_exists_the_connector_leaves_requests_to_vllm(pool_fleet):
+    """bench-live's reference rows: no lookup, load or save, the same answer."""
+    cluster, endpoints = pool_fleet
+    prompt = text(95, 300)
+    before = saved_counts(endpoints)
+    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
+    engine = headers["x-quillcache-engine"]
+    saved(endpoints, engine, first.usage.prompt_tokens // 32, before)
+    reset_cache(cluster, endpoints, engine)
+    bypass = cluster.data_dir / "bypass"
+    bypass.touch()
+    try:
+        counts = {
+            what: connector(endpoints, engine, what) for what in ("blocks_loaded", "blocks_saved")
+        }
+        bypassed = connector(endpoints, engine, "requests_bypassed", "-scheduler")
+        external = external_hits(endpoints, engine)
+        headers, again = ask(endpoints, "completion", MODEL, prompt + " again", max_tokens=16)
+        time.sleep(1.0)  # a save would be queued by now
+        after = {what: connector(endpoints, engine, what) for what in counts}
+        print(f"bypassed: {counts} -> {after}")
+        assert headers["x-quillcache-engine"] == engine
+        assert int(headers["x-quillcache-fetch-blocks"]) > 0  # the pool holds the prefix
+        assert connector(endpoints, engine, "requests_bypassed", "-scheduler") > bypassed
+        assert after == counts  # nothing loaded, nothing saved
+        assert external_hits(endpoints, engine) == external
+        assert cached(again) == 0  # vLLM computed it all
+    finally:
+        bypass.unlink()
 
 
 def saved_counts(endpoints) -> dict[str, float]:

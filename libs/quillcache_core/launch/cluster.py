@@ -94,7 +94,8 @@ class LocalCluster:
         `engine_options[i]` overrides engine i: "model" (served name), "vllm_args"
         (extra server flags), "tokenizer" (its record's), "events_port", and
         "kv_events_endpoint" (registered instead of the engine's own, e.g. a proxy),
-        "connector" (False: no QuillCache KV connector), "role" (prefill, decode or both,
+        "connector" (False: no QuillCache KV connector), "connector_bypass_file" (the
+        connector's `bypass_file`), "role" (prefill, decode or both,
         for prefill/decode disaggregation); a sim engine's "sim_args".
         Every port demands mutual TLS with the certificates made in <data_dir>/certs
         (`quillcache certs`), and etcd its users and roles, unless `insecure`.
@@ -358,6 +359,11 @@ class LocalCluster:
                 "index_block_tokens": 16,
                 "metrics_port": connector_metrics,
                 "scheduler_metrics_port": scheduler_metrics,
+                **(
+                    {"bypass_file": options["connector_bypass_file"]}
+                    if options.get("connector_bypass_file")
+                    else {}
+                ),
                 **({"insecure": True} if tls is None else {"tls_dir": str(self.certs_dir)}),
             },
             extra=options.get("vllm_args"),
