@@ -65,6 +65,14 @@ from pathlib import Path
 from statistics import mean
 
 from quillcache_bench.common import Progress, write_results
+from quillcache_bench.live_counters import (
+    LOOKUPS,
+    connector_lookups,
+    gateway_counters,
+    learned,
+    plan_fallbacks,
+    stage_means,
+)
 from quillcache_bench.live_report import (
     SPLIT,
     goals,
@@ -81,8 +89,6 @@ from quillcache_bench.live_systems import (
     SYSTEMS,
     Engine,
     RouterError,
-    metric_sum,
-    metric_text,
     start_router,
     tree_cpu_s,
 )
@@ -93,7 +99,7 @@ from quillcache_bench.live_workloads import (
     drive,
     make_sessions,
 )
-from quillcache_bench.secure import operator_context, tenant_context
+from quillcache_bench.secure import tenant_context
 from quillcache_core.errors import InvalidArgument
 
 LOADS = ("light", "heavy")
@@ -254,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 for workload, load in _cells(args, system, cells):
                     done += 1
                     label = f"[{done}/{total}] {system} {workload}/{load}"
-                    gateway0 = _gateway_counters(endpoints) if router is None else {}
+                    gateway0 = gateway_counters(endpoints) if router is None else {}
                     _shape(args, engines, baseline, system, workload)
                     timed = workload in ITL_WORKLOADS
                     rate = decode_rates[load] if timed else rates[load]
@@ -264,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                         pids, everything_ours, label, endpoints,
                     )  # fmt: skip
                     if router is None:
-                        gateway1 = _gateway_counters(endpoints)
-                        detail["gateway_plan_fallbacks"] = _fallbacks(gateway0, gateway1)
-                        detail["conductors_learned"] = _learned(endpoints)
-                        detail["gateway_stages_ms"] = _stage_means(gateway0, gateway1)
+                        gateway1 = gateway_counters(endpoints)
+                        detail["gateway_plan_fallbacks"] = plan_fallbacks(gateway0, gateway1)
+                        detail["conductors_learned"] = learned(endpoints)
+                        detail["gateway_stages_ms"] = stage_means(gateway0, gateway1)
                     results.setdefault((workload, load), {})[system] = figures
                     details.setdefault((workload, load), {})[system] = detail
                     itl = (
@@ -413,98 +419,6 @@ def _restore(engines: list[Engine], baseline: list[dict]) -> None:
             engine.settings(want)
 
 
-def _metric_sums(endpoints: dict, url: str | None, names) -> dict[str, float]:
-    """The sum of each of `names` on one /metrics page (empty if it cannot be read)."""
-    if url is None:
-        return {}
-    try:
-        text = metric_text(url, operator_context(endpoints))
-    except (OSError, ValueError):
-        return {}
-    return {name: metric_sum(text, name) for name in names}
-
-
-# Requests the gateway routed without the conductor (its Plan too slow or failing).
-FALLBACKS = "quillcache_gateway_plan_fallbacks_total"
-# Where a request's time went in the gateway, from its /metrics: (sum, count) metrics.
-STAGES = {
-    "prepare": ("quillcache_gateway_prepare_seconds_sum", "quillcache_gateway_ttft_seconds_count"),
-    "plan": ("quillcache_gateway_plan_seconds_sum", "quillcache_gateway_plan_seconds_count"),
-    "engine_head": (
-        "quillcache_gateway_engine_head_seconds_sum",
-        "quillcache_gateway_engine_head_seconds_count",
-    ),
-    "first_byte": ("quillcache_gateway_ttft_seconds_sum", "quillcache_gateway_ttft_seconds_count"),
-}
-
-
-def _gateway_counters(endpoints: dict) -> dict[str, float]:
-    """The gateway's plan fallbacks and stage sums and counts so far, from one read of
-    its /metrics (empty if it cannot be read)."""
-    names = {FALLBACKS, *(name for pair in STAGES.values() for name in pair)}
-    return _metric_sums(endpoints, endpoints["metrics"].get("gateway"), names)
-
-
-def _fallbacks(before: dict[str, float], after: dict[str, float]) -> float:
-    """Plan fallbacks between two `_gateway_counters`; -1 if either could not be read."""
-    if FALLBACKS in before and FALLBACKS in after:
-        return after[FALLBACKS] - before[FALLBACKS]
-    return -1.0
-
-
-def _stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Per stage, its mean over the run in ms: from the arrival to the Plan call
-    (read, validate, tokenize, hash), the Plan call, the engine's answer head, and the
-    first byte of the answer from the arrival (the gateway's own TTFT)."""
-    means = {}
-    for stage, (total, count) in STAGES.items():
-        if total in before and total in after:
-            n = after[count] - before[count]
-            if n > 0:
-                means[stage] = round(1000 * (after[total] - before[total]) / n, 2)
-    return means
-
-
-# The vLLM connectors' scheduler sides: store lookups, asked inside vLLM's scheduling step
-# (every system's requests on the engines pay them; QuillCache's plans skip most).
-LOOKUPS = {
-    "connector_store_lookups": "quillcache_connector_lookups_total",
-    "connector_lookup_s": "quillcache_connector_lookup_seconds",
-}
-
-
-def _connector_lookups(endpoints: dict) -> dict[str, float]:
-    """LOOKUPS so far, summed over the engines' connectors (empty with sim engines)."""
-    total: dict[str, float] = {}
-    for name, url in endpoints["metrics"].items():
-        if name.endswith("-connector-scheduler"):
-            sums = _metric_sums(endpoints, url, LOOKUPS.values())
-            for field, metric in LOOKUPS.items():
-                if metric in sums:
-                    total[field] = total.get(field, 0.0) + sums[metric]
-    return total
-
-
-LEARNED = {
-    "prefill_us_per_token": "quillcache_prefill_us_per_token",
-    "prefill_samples": "quillcache_prefill_samples_total",
-    "fetch_price_factor": "quillcache_fetch_price_factor",
-}
-
-
-def _learned(endpoints: dict) -> dict[str, dict[str, float]]:
-    """What each conductor replica has learned of the engines so far (its /metrics):
-    the prefill speed its plans are priced at, from how many samples, and the fetch
-    price factor."""
-    found = {}
-    for name, url in endpoints["metrics"].items():
-        if name.startswith("conductor"):
-            sums = _metric_sums(endpoints, url, LEARNED.values())
-            if sums:
-                found[name] = {key: sums[metric] for key, metric in LEARNED.items()}
-    return found
-
-
 def _bypass_file(data_dir: Path) -> Path:
     """While this file exists the vLLM engines' KV connector is bypassed: requests are
     served as by vLLM without it (no pool lookup, load or save), as behind a router."""
@@ -589,14 +503,14 @@ def _run(
     n = max(4, round(rate * duration))
     sessions = make_sessions(workload, n, rate, seed, nonce, size_scale=scale)
     before = [e.counters() for e in engines]
-    lookups0 = _connector_lookups(endpoints)
+    lookups0 = connector_lookups(endpoints)
     cpu0, all0 = tree_cpu_s(pids), tree_cpu_s(ours_all)
     progress = Progress(label, n)
     samples = asyncio.run(
         drive(target, sessions, on_done=progress.advance, cutoff_s=max(3 * duration, 20.0))
     )
     cpu1, all1 = tree_cpu_s(pids), tree_cpu_s(ours_all)
-    lookups1 = _connector_lookups(endpoints)
+    lookups1 = connector_lookups(endpoints)
     served = [e.counters().minus(b) for e, b in zip(engines, before, strict=True)]
     figures = summarise(samples, served, cpu1 - cpu0, itl=workload in ITL_WORKLOADS)
     detail = {

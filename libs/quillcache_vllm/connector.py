@@ -85,7 +85,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PLAN_FIELD = "quillcache"  # the gateway's plan in a request's kv_transfer_params
-MAX_LOOKUPS = 4096  # store lookups in flight, a request each
+MAX_LOOKUPS = 4096  # requests' store lookups kept (each until its request finishes)
 
 
 @dataclass

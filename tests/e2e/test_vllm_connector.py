@@ -110,11 +110,7 @@ def output(response, kind: str) -> str:
 def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same(pool_fleet, kind):
     cluster, endpoints = pool_fleet
     prompt = text(50 if kind == "chat" else 51, 300)
-    before = saved_counts(endpoints)
-    headers, first = ask(endpoints, kind, MODEL, prompt, max_tokens=16)
-    engine = headers["x-quillcache-engine"]
-    blocks = first.usage.prompt_tokens // 32  # whole vLLM blocks (its last token aside)
-    saved(endpoints, engine, blocks, before)
+    engine, first, blocks = answered_and_saved(endpoints, prompt, kind)
     reset_cache(cluster, endpoints, engine)
     loaded = connector(endpoints, engine, "blocks_loaded")
     external = external_hits(endpoints, engine)
@@ -141,11 +137,7 @@ def test_a_request_without_a_plan_finds_the_prefix_in_the_store_node(pool_fleet,
     """Straight to the engine (no gateway, no plan): the scheduler asks its store node."""
     cluster, endpoints = pool_fleet
     prompt = text(90, 300)
-    before = saved_counts(endpoints)
-    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
-    engine = headers["x-quillcache-engine"]
-    blocks = first.usage.prompt_tokens // 32
-    saved(endpoints, engine, blocks, before)
+    engine, first, blocks = answered_and_saved(endpoints, prompt)
     reset_cache(cluster, endpoints, engine)
     asked, _ = lookups(endpoints, engine)
     external = external_hits(endpoints, engine)
@@ -175,10 +167,7 @@ def test_while_its_bypass_file_exists_the_connector_leaves_requests_to_vllm(pool
     """bench-live's reference rows: no lookup, load or save, the same answer."""
     cluster, endpoints = pool_fleet
     prompt = text(95, 300)
-    before = saved_counts(endpoints)
-    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
-    engine = headers["x-quillcache-engine"]
-    saved(endpoints, engine, first.usage.prompt_tokens // 32, before)
+    engine, first, _ = answered_and_saved(endpoints, prompt)
     reset_cache(cluster, endpoints, engine)
     bypass = cluster.data_dir / "bypass"
     bypass.touch()
@@ -200,6 +189,17 @@ def test_while_its_bypass_file_exists_the_connector_leaves_requests_to_vllm(pool
         assert cached(again) == 0  # vLLM computed it all
     finally:
         bypass.unlink()
+
+
+def answered_and_saved(endpoints, prompt: str, kind: str = "completion"):
+    """One greedy answer through the gateway, once the prompt's blocks are in the pool:
+    (its engine, the answer, the prompt's whole vLLM blocks, its last token aside)."""
+    before = saved_counts(endpoints)
+    headers, first = ask(endpoints, kind, MODEL, prompt, max_tokens=16)
+    engine = headers["x-quillcache-engine"]
+    blocks = first.usage.prompt_tokens // 32
+    saved(endpoints, engine, blocks, before)
+    return engine, first, blocks
 
 
 def saved_counts(endpoints) -> dict[str, float]:
@@ -246,10 +246,7 @@ def corrupt_first_on_ssd(ssd_dir, keys) -> int:
 def test_a_block_corrupted_on_disk_is_recomputed_and_the_output_is_the_same(pool_fleet, env):  # noqa: F811
     cluster, endpoints = pool_fleet
     prompt = text(70, 300)
-    before = saved_counts(endpoints)
-    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
-    engine = headers["x-quillcache-engine"]
-    saved(endpoints, engine, first.usage.prompt_tokens // 32, before)
+    engine, first, _ = answered_and_saved(endpoints, prompt)
     store = f"store-{int(engine.rsplit('-', 1)[1]) % 2}"
     corrupted = corrupt_first_on_ssd(
         cluster.data_dir / store / "ssd", prompt_keys(cluster, env, prompt)
@@ -277,11 +274,7 @@ def test_a_block_corrupted_on_disk_is_recomputed_and_the_output_is_the_same(pool
 def test_a_restarted_engine_loads_the_prefix_from_the_pool(pool_fleet):
     cluster, endpoints = pool_fleet
     prompt = text(80, 300)
-    before = saved_counts(endpoints)
-    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
-    engine = headers["x-quillcache-engine"]
-    blocks = first.usage.prompt_tokens // 32
-    saved(endpoints, engine, blocks, before)
+    engine, first, blocks = answered_and_saved(endpoints, prompt)
     cluster.restart(engine)  # its cache is gone with the process
     wait_until(
         lambda: engine_stats(endpoints, engine).resident_blocks == 0,
@@ -299,12 +292,8 @@ def test_a_restarted_engine_loads_the_prefix_from_the_pool(pool_fleet):
 def test_an_engine_on_another_store_node_reuses_the_prefix(pool_fleet):
     cluster, endpoints = pool_fleet
     prompt = text(60, 300)
-    before = saved_counts(endpoints)
-    headers, first = ask(endpoints, "completion", MODEL, prompt, max_tokens=16)
-    first_engine = headers["x-quillcache-engine"]
+    first_engine, first, blocks = answered_and_saved(endpoints, prompt)
     other = "engine-1" if first_engine == "engine-0" else "engine-0"
-    blocks = first.usage.prompt_tokens // 32
-    saved(endpoints, first_engine, blocks, before)
     settled(endpoints, first_engine)
     # The first engine leaves the fleet (its registration ends): the prefix is only in
     # its store node now, a peer of the other engine's.

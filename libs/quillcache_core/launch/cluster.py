@@ -352,20 +352,15 @@ class LocalCluster:
             replay_port=replay_port,
             connector=None
             if options.get("connector") is False
-            else {
-                "store": store.fields["grpc"],
-                "model": served,
-                "tokenizer": options.get("tokenizer", str(model_dir)),
-                "index_block_tokens": 16,
-                "metrics_port": connector_metrics,
-                "scheduler_metrics_port": scheduler_metrics,
-                **(
-                    {"bypass_file": options["connector_bypass_file"]}
-                    if options.get("connector_bypass_file")
-                    else {}
-                ),
-                **({"insecure": True} if tls is None else {"tls_dir": str(self.certs_dir)}),
-            },
+            else vllm_engine.connector_extra(
+                store.fields["grpc"],
+                served,
+                options.get("tokenizer", str(model_dir)),
+                metrics_port=connector_metrics,
+                scheduler_metrics_port=scheduler_metrics,
+                tls_dir=None if tls is None else str(self.certs_dir),
+                bypass_file=options.get("connector_bypass_file", ""),
+            ),
             extra=options.get("vllm_args"),
             tls=tls,
             events_endpoint="" if events.startswith("tcp://") else events,
@@ -387,37 +382,22 @@ class LocalCluster:
         self._wait_healthy(child, time.monotonic() + max(timeout_s, 300.0), "(vLLM)")
         self.log(f"{name:<10} {child.fields['http']} (vLLM, {served})")
         registered_events = options.get("kv_events_endpoint") or events
-        self._run(
-            f"{name}-registration",
-            "register-engine",
-            [
-                "--registry",
-                registry[1],
-                "--lease-ttl-s",
-                str(self.lease_ttl_s),
-                "--id",
-                name,
-                "--base-url",
-                child.fields["http"],
-                "--model",
-                served,
-                "--tokenizer",
-                options.get("tokenizer", str(model_dir)),
-                "--block-size",
-                str(vllm_engine.VLLM_CPU_BLOCK_SIZE),
-                "--kv-events-endpoint",
-                registered_events,
-                "--kv-replay-endpoint",
-                replay,
-                "--locality-domain",
-                f"rack-{(i % self.stores) % 2}",
-                "--store-node",
-                store.name,
-                "--role",
-                options.get("role", "both"),
-            ],
-            timeout_s,
-        )
+        flags = {
+            "--registry": registry[1],
+            "--lease-ttl-s": str(self.lease_ttl_s),
+            "--id": name,
+            "--base-url": child.fields["http"],
+            "--model": served,
+            "--tokenizer": options.get("tokenizer", str(model_dir)),
+            "--block-size": str(vllm_engine.VLLM_CPU_BLOCK_SIZE),
+            "--kv-events-endpoint": registered_events,
+            "--kv-replay-endpoint": replay,
+            "--locality-domain": f"rack-{(i % self.stores) % 2}",
+            "--store-node": store.name,
+            "--role": options.get("role", "both"),
+        }
+        argv = [arg for flag in flags.items() for arg in flag]
+        self._run(f"{name}-registration", "register-engine", argv, timeout_s)
         child.fields["connector_metrics"] = f"{scheme}://127.0.0.1:{connector_metrics}/metrics"
         child.fields["connector-scheduler_metrics"] = (
             f"{scheme}://127.0.0.1:{scheduler_metrics}/metrics"

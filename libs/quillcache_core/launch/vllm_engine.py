@@ -139,6 +139,30 @@ def serve_args(
     ]
 
 
+def connector_extra(
+    store: str,
+    model: str,
+    tokenizer: str,
+    *,
+    metrics_port: int,
+    scheduler_metrics_port: int,
+    tls_dir: str | None,
+    bypass_file: str = "",
+) -> dict:
+    """The QuillCache KV connector's extra config (`quillcache_vllm.connector`) for an
+    engine on the store node `store`; `tls_dir` None for an --insecure pool."""
+    return {
+        "store": store,
+        "model": model,
+        "tokenizer": tokenizer,
+        "index_block_tokens": 16,
+        "metrics_port": metrics_port,
+        "scheduler_metrics_port": scheduler_metrics_port,
+        **({"bypass_file": bypass_file} if bypass_file else {}),
+        **({"insecure": True} if tls_dir is None else {"tls_dir": tls_dir}),
+    }
+
+
 def connector_config(extra: dict) -> dict:
     """vLLM's --kv-transfer-config loading `quillcache_vllm.connector.QuillCacheConnector`."""
     return {
