@@ -246,10 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         baseline = [e.settings() for e in engines] if args.engine == "sim" else []
         for system in systems:
             router = None
-            # A router's deployment has no pool: behind one the vLLM engines run as
-            # without the connector (no lookups, loads or saves), the stronger reference.
-            _bypass_connector(data_dir, system not in ("quillcache", SPLIT))
-            if system not in ("quillcache", SPLIT):
+            routed = system not in ("quillcache", SPLIT)
+            if args.engine == "vllm":
+                # A router's deployment has no pool: behind one the vLLM engines run as
+                # without the connector (no lookups, loads or saves), the stronger reference.
+                _bypass_connector(data_dir, routed)
+            if routed:
                 router = _router(system, [e.url for e in engines], data_dir / "logs")
                 if router is None:
                     done += len(_cells(args, system, cells))

@@ -95,16 +95,9 @@ class Pool:
 
     # --- lookups and loads (the caller waits) -------------------------------------------
 
-    def leading_held(self, keys: Sequence[KvBlockKey]) -> int:
-        """How many of `keys`, from the first, this store node holds (any tier)."""
-        try:
-            return self.leading_held_later(keys).result(self.timeout_s + 1.0)
-        except TimeoutError:
-            return 0
-
     def leading_held_later(self, keys: Sequence[KvBlockKey]) -> Future:
-        """`leading_held` asked in the background: a Future of the count (0 where the
-        node could not be asked)."""
+        """How many of `keys`, from the first, this store node holds (any tier), asked
+        in the background: a Future of the count (0 where the node could not be asked)."""
         return asyncio.run_coroutine_threadsafe(self._leading_held(list(keys)), self._loop)
 
     async def _leading_held(self, keys: list[KvBlockKey]) -> int:
