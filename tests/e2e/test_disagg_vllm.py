@@ -169,14 +169,13 @@ def test_a_split_request_decodes_from_the_pool_and_equals_a_colocated_run(
         engines_idle(endpoints)
         _, _, ended, alone = through_gateway(endpoints, path, body(kind, prompt, stream), colocated)
         print(f"colocated stream: {len(alone)} pieces, finish_reason {ended['finish_reason']}")
-        # Only its first piece is compared: in two of three full CI runs of one day this
-        # third run of the prompt (colocated, through the gateway) streamed its first
-        # piece and ended there, where the reference wrote 7-16 pieces; alone the file
-        # passed. Our reading (not proven): it reuses the prompt's cached KV, so its
-        # numerics differ from the reference's full prefill, and the tiny random model's
-        # near-ties can pick its end-of-sequence token. Its stream must still end as an
-        # answer does (a finish reason, its usage), not cut off.
-        assert pieces[0] == alone[0]
+        # Only its first token is compared, and as the start of its text: a stream's
+        # pieces are not its tokens. vLLM merges the deltas a slow reader has not taken
+        # yet into one (its output collector aggregates them), so a short answer from
+        # cached KV can arrive as a single piece holding all 16 tokens (seen in CI: one
+        # piece, finish_reason length). The split run's first piece is the prefill's one
+        # token. The stream must still end as an answer does (a finish reason, usage).
+        assert "".join(alone).startswith(pieces[0])
         assert ended["finish_reason"] in ("stop", "length")
         assert ended["completion_tokens"] >= len(alone)
     # engine-1 loaded the prompt's KV (16-token store blocks) instead of computing it
