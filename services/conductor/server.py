@@ -279,6 +279,11 @@ class ConductorServer:
             read=lambda: [((), self.plan_port.frames if self.plan_port else 0)],
         )
         m.gauge(
+            "plan_port_calls_total",
+            "Plan and Finish calls carried by the plan port's frames",
+            read=lambda: [((), self.plan_port.calls if self.plan_port else 0)],
+        )
+        m.gauge(
             "plan_port_rejected_frames_total",
             "plan-port frames too big or unparsable (their connection was closed)",
             read=lambda: [((), self.plan_port.rejected_frames if self.plan_port else 0)],

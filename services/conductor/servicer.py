@@ -13,13 +13,13 @@ import grpc
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_conductor.events import EventRouter
 from quillcache_conductor.split import plan_split, transfer_measured
-from quillcache_conductor.state import ConductorState
+from quillcache_conductor.state import ConductorState, publishes_events
 from quillcache_core.errors import InvalidArgument, QuillCacheError
 from quillcache_core.identity.hashing import ROOT_PARENT
 from quillcache_core.model import IdentityScope, KvBlockKey, RequestShape, SloTarget
 from quillcache_core.routing.actions import ActionKind, action_runs
 from quillcache_core.rpc.server import status_for, unary_errors
-from quillcache_core.wire.plan import unpack_hashes
+from quillcache_core.wire.plan import packed_digests, unpack_hashes
 from quillcache_core.wire.tiers import TIER_TO_PROTO
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,13 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         hashes = unpack_hashes(packed)
         self._check_count(len(hashes), what)
         return _chain_keys(scope, hashes, repeat(tokens or 16))
+
+    def _records_observed(self, reservation_id: str) -> bool:
+        """Whether a Finish's observed blocks would be recorded: its reservation is open
+        and its engine does not publish KV events (ConductorState.observe)."""
+        res = self.state.reservations.get(reservation_id)
+        info = None if res is None else self.state.engines.get(res.engine_id)
+        return info is not None and not publishes_events(info.record)
 
     def _check_count(self, count: int, what: str) -> None:
         if count > self.max_blocks:
@@ -292,12 +299,14 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             if request.observe_packed_hashes:
                 if request.observe_blocks:
                     raise InvalidArgument("set observe_blocks or observe_packed_hashes, not both")
-                observe = self._packed_keys(
-                    scope_from_proto(request.identity),
-                    request.observe_packed_hashes,
-                    request.observe_block_tokens,
-                    "Finish",
-                )
+                scope = scope_from_proto(request.identity)
+                packed = request.observe_packed_hashes
+                if self._records_observed(request.reservation_id):
+                    observe = self._packed_keys(
+                        scope, packed, request.observe_block_tokens, "Finish"
+                    )
+                else:  # its engine's events are the truth: checked, never built
+                    self._check_count(len(packed_digests(packed)), "Finish")
             elif request.observe_blocks:
                 observe = self._keys(
                     scope_from_proto(request.identity), request.observe_blocks, "Finish"

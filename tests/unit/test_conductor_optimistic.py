@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from quillcache.v1 import common_pb2, conductor_pb2
+from quillcache_conductor.events import EventRouter
 from quillcache_conductor.records import OPTIMISTIC_LINGER_S
+from quillcache_conductor.servicer import ConductorServicer
 from quillcache_conductor.state import ConductorState
+from quillcache_core.errors import InvalidArgument
 from quillcache_core.index import MemoryIndex
 from quillcache_core.model import CostModel
+from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord
 from quillcache_core.routing.planner import CostPlanner
-from tests.unit.factories import MODEL, TOKENIZER, make_request
+from quillcache_core.wire.plan import pack_hashes
+from tests.unit.factories import MODEL, TENANT, TOKENIZER, make_request
 
 
 class Clock:
@@ -102,3 +110,36 @@ def test_an_eviction_the_engine_reports_ends_the_overlay_at_once():
     state.finish(again.reservation_id, "success")
     state.overlay_released(again.decision.engine.id, None)
     assert hits(state, seed=5)[1] == 0
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_a_finish_records_its_observed_blocks_only_for_an_engine_without_events(events):
+    """A Finish's observed prefix is the record of an engine that does not report its
+    cache; an engine's own events are the truth (its observed hashes are checked and
+    left unread)."""
+    state, _ = make_state(events=events)
+    servicer = ConductorServicer(
+        state, EventRouter(state, MetricsRegistry(), subscribe_zmq=False), max_blocks=8
+    )
+    request = make_request(6)
+    identity = common_pb2.Identity(model_id=MODEL, tokenizer_id=TOKENIZER, tenant_id=TENANT)
+    packed = pack_hashes([key.block_hash for key in request.blocks])
+
+    def finish(observed: bytes) -> str:
+        outcome = state.plan(request)
+        servicer.finish(
+            conductor_pb2.FinishRequest(
+                reservation_id=outcome.reservation_id,
+                outcome=conductor_pb2.FinishRequest.SUCCESS,
+                identity=identity,
+                observe_packed_hashes=observed,
+                observe_block_tokens=16,
+            )
+        )
+        return outcome.decision.engine.id
+
+    engine_id = finish(packed)
+    assert state.index.worker_block_count(engine_id) == (0 if events else 6)
+    for bad, reason in ((packed[:-1], "multiple of 16"), (packed * 2, "limit of 8")):
+        with pytest.raises(InvalidArgument, match=reason):
+            finish(bad)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 
 import pytest
 
@@ -31,6 +32,42 @@ def test_the_slope_and_intercept_of_noisy_samples_are_learned():
         speed.observe(tokens, ttft)
     assert speed.us_per_token == pytest.approx(800.0, rel=0.08)
     assert speed.intercept_us == pytest.approx(15_000.0, rel=0.5)
+
+
+def theil_sen(points: list[tuple[float, float]], min_pairs: int) -> tuple[float, float] | None:
+    """The fit PrefillSpeed makes, pair by pair: the median slope between a sample of
+    the shorter half and one of the longer half at least a tenth of the mean apart,
+    and the median intercept under it (before the slope is clamped)."""
+    points = sorted(points)
+    gap = 0.1 * sum(x for x, _ in points) / len(points)
+    half = len(points) // 2
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for x1, y1 in points[:half]
+        for x2, y2 in points[half:]
+        if x2 - x1 >= gap and x2 > x1
+    ]
+    if len(slopes) < min_pairs:
+        return None
+    slope = statistics.median(slopes)
+    return slope, max(0.0, statistics.median(y - slope * x for x, y in points))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_refit_is_the_median_of_the_pairs_slopes(seed):
+    rng = random.Random(seed)
+    speed, window, fits = PrefillSpeed(500.0, window=64, every=1), [], 0
+    for n in range(150):  # some with repeated lengths, so ties and empty pairs happen
+        tokens = rng.choice((64, 512, 520, rng.randrange(16, 4000)))
+        ttft = (2_000 + 480.0 * tokens) * rng.uniform(0.7, 1.4) + (5e6 if n % 11 == 0 else 0)
+        speed.observe(tokens, ttft)
+        window = [*window, (float(tokens), ttft)][-64:]
+        expected = theil_sen(window, speed.min_samples) if len(window) >= 16 else None
+        if expected is not None and expected[0] > 0:  # (an estimate moves past 1%)
+            assert abs(expected[0] - speed.us_per_token) <= 0.01 * speed.us_per_token
+            assert speed.intercept_us == expected[1]
+            fits += 1
+    assert fits > 100
 
 
 def test_stalls_of_seconds_do_not_drag_the_estimate():

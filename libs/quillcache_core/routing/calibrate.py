@@ -54,6 +54,8 @@ import math
 import statistics
 from collections import deque
 
+import numpy as np
+
 from quillcache_core.model import CostModel
 
 logger = logging.getLogger(__name__)
@@ -106,23 +108,23 @@ class PrefillSpeed:
         self.samples += 1
         if len(self._recent) < self.min_samples or self.samples % self.every:
             return False
-        points = sorted(self._recent)
-        gap = 0.1 * sum(x for x, _ in points) / len(points)
-        half = len(points) // 2
-        slopes = [
-            (y2 - y1) / (x2 - x1)
-            for x1, y1 in points[:half]
-            for x2, y2 in points[half:]
-            if x2 - x1 >= gap and x2 > x1
-        ]
+        # Every (shorter half, longer half) pair at once, in numpy: the same slopes and
+        # medians as a loop over the pairs (up to 1,024 of them every `every` samples
+        # was a conductor's largest cost of a Finish).
+        xs, ys = np.array(sorted(self._recent)).T
+        gap = 0.1 * sum(xs.tolist()) / len(xs)
+        half = len(xs) // 2
+        dx = xs[half:] - xs[:half, None]
+        dy = ys[half:] - ys[:half, None]
+        pairs = (dx >= gap) & (dx > 0)
         # Too little spread in the token counts to tell the slope from the intercept.
-        if len(slopes) < self.min_samples:
+        if int(pairs.sum()) < self.min_samples:
             return False
-        slope = statistics.median(slopes)
+        slope = float(np.median(dy[pairs] / dx[pairs]))
         if not slope > 0:
             return False
         slope = min(max(slope, self.default / MAX_FACTOR), self.default * MAX_FACTOR)
-        self.intercept_us = max(0.0, statistics.median(y - slope * x for x, y in points))
+        self.intercept_us = max(0.0, float(np.median(ys - slope * xs)))
         self.fitted = True
         changed = abs(slope - self.us_per_token) > 0.01 * self.us_per_token
         if changed:

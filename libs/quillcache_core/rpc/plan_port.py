@@ -65,6 +65,7 @@ class PlanPortServer:
         self.port = 0
         self.connections = 0
         self.frames = 0
+        self.calls = 0
         self.rejected_frames = 0
         self.refused_connections = 0
 
@@ -109,6 +110,7 @@ class PlanPortServer:
                     logger.warning("plan port: %s sent a bad frame (%s); closing", peer, exc)
                     return
                 self.frames += 1
+                self.calls += len(message.calls)
                 out = self._handle(message).SerializeToString()
                 writer.write(LENGTH.pack(len(out)) + out)
                 if writer.transport.get_write_buffer_size() > 1 << 20:
@@ -124,8 +126,11 @@ class PlanPortClient:
 
     `resolve()` returns the port's host:port (asked again after a connection fails,
     so a restarted conductor on a new port is found); "" means there is none, and
-    the call fails with UNAVAILABLE. Calls write their frame at once (no writer
-    task); a reader task resolves each caller's future by call id.
+    the call fails with UNAVAILABLE. The calls made in one turn of the event loop go
+    out together at its end, as one frame (no writer task): a gateway's Finishes
+    leave its queue in one turn, and every frame is a TLS record and a write(2) on
+    each side, and a read and an answer on the conductor. A reader task resolves each
+    caller's future by call id.
     """
 
     def __init__(self, resolve: Callable[[], Awaitable[str]], tls: Tls | None = None) -> None:
@@ -135,8 +140,10 @@ class PlanPortClient:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._connecting: asyncio.Future | None = None
+        self._outbox: list[conductor_pb2.PlanCall] = []  # this turn's calls, for _writer
         self._closed = False
         self.connections_opened = 0
+        self.frames_sent = 0
 
     async def plan(
         self, request: conductor_pb2.PlanRequest, timeout: float | None = None
@@ -162,16 +169,27 @@ class PlanPortClient:
             raise rpc_error(grpc.StatusCode.CANCELLED, "plan client closed")
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        writer = self._writer
-        if writer is None or writer.is_closing():
-            writer = await self._connect(timeout)
+        if self._writer is None or self._writer.is_closing():
+            await self._connect(timeout)
 
         def send(call: conductor_pb2.PlanCall) -> None:
-            body = conductor_pb2.PlanStreamRequest(calls=[call]).SerializeToString()
-            writer.write(LENGTH.pack(len(body)) + body)
+            if not self._outbox:
+                loop.call_soon(self._send_outbox)
+            self._outbox.append(call)
 
         remaining = None if deadline is None else deadline - loop.time()
         return await self._pending.call(call, remaining, send)
+
+    def _send_outbox(self) -> None:
+        """Write the calls queued this turn as one frame. Calls queued for a connection
+        that broke meanwhile were failed with it (`_drop` empties the outbox)."""
+        calls, self._outbox = self._outbox, []
+        writer = self._writer
+        if not calls or writer is None or writer.is_closing():
+            return
+        body = conductor_pb2.PlanStreamRequest(calls=calls).SerializeToString()
+        writer.write(LENGTH.pack(len(body)) + body)
+        self.frames_sent += 1
 
     async def _connect(self, timeout: float | None) -> asyncio.StreamWriter:
         """One connection attempt shared by every caller waiting for it."""
@@ -224,6 +242,7 @@ class PlanPortClient:
     def _drop(self, error: grpc.aio.AioRpcError) -> None:
         """Fail every call in flight; the next call connects again."""
         writer, self._writer = self._writer, None
+        self._outbox = []
         if writer is not None:
             writer.close()
         self._pending.fail_all(error)
