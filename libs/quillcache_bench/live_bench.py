@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         live = [c for c in cluster.children if c.proc is not None]
         # Our control path: the gateway and every conductor replica.
         ours = [c.proc.pid for c in live if c.service in ("gateway", "conductor")]
-        everything_ours = [c.proc.pid for c in live if not c.name.startswith("engine")]
+        everything_ours = {c.name: c.proc.pid for c in live if not c.name.startswith("engine")}
         quillcache = Target(
             endpoints["gateway_url"], tenant_context(endpoints), endpoints["api_keys"], model
         )
@@ -506,12 +506,13 @@ def _run(
     sessions = make_sessions(workload, n, rate, seed, nonce, size_scale=scale)
     before = [e.counters() for e in engines]
     lookups0 = connector_lookups(endpoints)
-    cpu0, all0 = tree_cpu_s(pids), tree_cpu_s(ours_all)
+    cpu0, each0 = tree_cpu_s(pids), {name: tree_cpu_s([p]) for name, p in ours_all.items()}
     progress = Progress(label, n)
     samples = asyncio.run(
         drive(target, sessions, on_done=progress.advance, cutoff_s=max(3 * duration, 20.0))
     )
-    cpu1, all1 = tree_cpu_s(pids), tree_cpu_s(ours_all)
+    cpu1, each1 = tree_cpu_s(pids), {name: tree_cpu_s([p]) for name, p in ours_all.items()}
+    each = {name: round(each1[name] - each0[name], 3) for name in ours_all}
     lookups1 = connector_lookups(endpoints)
     served = [e.counters().minus(b) for e, b in zip(engines, before, strict=True)]
     figures = summarise(samples, served, cpu1 - cpu0, itl=workload in ITL_WORKLOADS)
@@ -519,7 +520,9 @@ def _run(
         "requests": len(samples),
         "served_per_engine": [c.requests for c in served],
         "fetched_blocks": sum(c.fetched_blocks for c in served),
-        "quillcache_processes_cpu_s": round(all1 - all0, 3),
+        "quillcache_processes_cpu_s": round(sum(each.values()), 3),
+        # each QuillCache process's CPU seconds over the run, whichever system it was
+        "quillcache_cpu_s_by_process": each,
         "first_errors": [s.error for s in samples if s.error][:3],
     }
     for field in LOOKUPS:
