@@ -89,6 +89,7 @@ from quillcache_bench.live_systems import (
     SYSTEMS,
     Engine,
     RouterError,
+    paused,
     start_router,
     tree_cpu_s,
 )
@@ -104,6 +105,9 @@ from quillcache_core.errors import InvalidArgument
 
 LOADS = ("light", "heavy")
 TENANTS = [f"tenant-{i}" for i in range(8)]
+# After a router's runs: what QuillCache's continued processes need to renew their leases
+# and connections before they are measured again.
+RESUME_SETTLE_S = 5.0
 QUICK_ITL_SYSTEMS = ("quillcache", SPLIT, "sglang-router-cache_aware")
 # The sim engines' KV block shape on every workload, the same for every system: 16 KiB
 # blocks (2 layers x K,V x 16 tokens x 2 heads x 64 dims x fp16). On a GPU node a block
@@ -256,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                 if router is None:
                     done += len(_cells(args, system, cells))
                     continue
+            hold = contextlib.ExitStack()
+            if routed:  # ours stand still while a router is measured
+                hold.enter_context(paused(list(everything_ours.values()), RESUME_SETTLE_S))
             try:
                 target = quillcache if router is None else Target(router.url, None, {}, model)
                 pids = ours if router is None else [router.proc.pid]
@@ -302,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 if router is not None:
                     router.stop()
+                hold.close()
         if baseline:
             _restore(engines, baseline)
     runs = [

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
@@ -273,3 +274,25 @@ def metric_sum(text: str, name: str) -> float:
             with contextlib.suppress(ValueError):
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@contextlib.contextmanager
+def paused(pids: list[int], settle_s: float):
+    """QuillCache's own processes stopped (SIGSTOP) while a reference router runs: behind
+    a router a deployment has no gateway, conductors or stores, and ours would otherwise
+    take the shared cores from its engines (the conductors ingest every engine's KV
+    events). Continued on exit (always), then `settle_s` for their leases and
+    connections to come back before QuillCache is measured again."""
+    stopped = []
+    try:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if stopped:
+            time.sleep(settle_s)

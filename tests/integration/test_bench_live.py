@@ -135,3 +135,34 @@ def test_the_engines_warm_up_reaches_every_engine_straight(tmp_path: Path) -> No
         second.stop()
     assert all(n >= 1 for n in served), served
     assert sum(served) <= 8  # docqa's 8 (one second at 8/s); the decode workload not sent
+
+
+def test_ours_stand_still_while_a_router_runs_and_go_on_after(tmp_path: Path) -> None:
+    """`paused` stops QuillCache's processes for a router's runs (no CPU taken from the
+    engines) and continues them afterwards, also when the runs fail."""
+    import subprocess
+    import sys
+    import time
+
+    from quillcache_bench.live_systems import paused
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+    def state() -> str:
+        text = Path(f"/proc/{busy.pid}/stat").read_text()
+        return text[text.rindex(")") + 2]
+
+    try:
+        with pytest.raises(RuntimeError), paused([busy.pid, 2**22 + 7], settle_s=0.0):
+            assert state() == "T"
+            cpu = tree_cpu_s([busy.pid])
+            time.sleep(0.5)
+            assert tree_cpu_s([busy.pid]) == cpu  # stopped: no CPU
+            raise RuntimeError("a router's run failed")
+        assert state() in "RS"
+        cpu = tree_cpu_s([busy.pid])
+        time.sleep(0.5)
+        assert tree_cpu_s([busy.pid]) > cpu
+    finally:
+        busy.kill()
+        busy.wait()
