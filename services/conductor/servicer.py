@@ -19,7 +19,7 @@ from quillcache_core.identity.hashing import ROOT_PARENT
 from quillcache_core.model import IdentityScope, KvBlockKey, RequestShape, SloTarget
 from quillcache_core.routing.actions import ActionKind, action_runs
 from quillcache_core.rpc.server import status_for, unary_errors
-from quillcache_core.wire.plan import packed_digests, unpack_hashes
+from quillcache_core.wire.plan import digest_count, unpack_hashes
 from quillcache_core.wire.tiers import TIER_TO_PROTO
 
 logger = logging.getLogger(__name__)
@@ -306,7 +306,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                         scope, packed, request.observe_block_tokens, "Finish"
                     )
                 else:  # its engine's events are the truth: checked, never built
-                    self._check_count(len(packed_digests(packed)), "Finish")
+                    self._check_count(digest_count(packed), "Finish")
             elif request.observe_blocks:
                 observe = self._keys(
                     scope_from_proto(request.identity), request.observe_blocks, "Finish"

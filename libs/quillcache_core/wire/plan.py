@@ -27,19 +27,19 @@ def pack_hashes(hashes: Sequence[str]) -> bytes:
     return packed
 
 
-def packed_digests(packed: bytes) -> range:
-    """The digests' positions in `packed`; InvalidArgument if it is not whole 16-byte
+def digest_count(packed: bytes) -> int:
+    """How many digests `packed` holds; InvalidArgument if it is not whole 16-byte
     digests."""
     if len(packed) % HASH_BYTES:
         raise InvalidArgument(
             f"packed_hashes holds {len(packed)} bytes, not a multiple of {HASH_BYTES}"
         )
-    return range(0, len(packed), HASH_BYTES)
+    return len(packed) // HASH_BYTES
 
 
 def unpack_hashes(packed: bytes) -> list[str]:
     """The hex hashes of `packed`; InvalidArgument if it is not whole 16-byte digests."""
-    packed_digests(packed)
+    digest_count(packed)
     # hex() puts a space between digests; split() cuts there, all in C.
     return packed.hex(" ", HASH_BYTES).split()
 
