@@ -178,13 +178,14 @@ class ModelCatalog:
         the model, when it names no tokenizer), if it exists on this host.
         """
         configured = self.tokenizers.get(model)
-        if configured is not None:
-            return configured
-        if tokenizer_id == self.builtin.name:  # its prompt reuse stays within the tenant
+        if configured is not None:  # each one's reuse of earlier prompts stays in the tenant
+            return configured.scoped(tenant)
+        if tokenizer_id == self.builtin.name:
             return self.builtin.scoped(tenant)
         name = tokenizer_id or model
         if name in self._record_tokenizers:
-            return self._record_tokenizers[name]
+            known = self._record_tokenizers[name]
+            return None if known is None else known.scoped(tenant)
         found = None
         path = Path(name)
         if path.is_dir() and (path / "tokenizer.json").exists():
@@ -195,7 +196,7 @@ class ModelCatalog:
         if len(self._record_tokenizers) >= MAX_TOKENIZERS:
             self._record_tokenizers.clear()
         self._record_tokenizers[name] = found
-        return found
+        return None if found is None else found.scoped(tenant)
 
     async def engine_tokens(self, model: str, payload: dict, kind: str) -> list[int]:
         """The prompt ids from an engine serving `model` (vLLM's POST /tokenize)."""

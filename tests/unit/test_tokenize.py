@@ -122,3 +122,83 @@ def test_a_model_directory_refuses_untokenizable_text_with_a_client_error(tmp_pa
     ):
         with pytest.raises(InvalidArgument, match="cannot be tokenized"):
             request_tokens(kind, payload, tok)
+
+
+def chat_model_dir(tmp_path, **added):
+    """A model directory: the tokenizer trained here with ChatML's added tokens (their
+    options from `added`) and a ChatML template."""
+    import json
+
+    from tokenizers import AddedToken
+
+    tok = Tokenizer.from_file(train_tokenizer(tmp_path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, **added) for t in ("<|im_start|>", "<|im_end|>")])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}<|im_start|>assistant\n"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return tmp_path
+
+
+def rendered(model, chat: dict) -> str:
+    return model.template.render(
+        chat["messages"],
+        tools=None,
+        documents=None,
+        add_generation_prompt=True,
+        continue_final_message=False,
+        template_kwargs=None,
+    )
+
+
+def test_a_chat_s_long_pieces_keep_their_ids_within_a_tenant(tmp_path):
+    from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
+
+    model = ModelTokenizer(chat_model_dir(tmp_path))
+    whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    document = TEXT[:1500]
+    acme, globex = model.scoped("acme"), model.scoped("globex")
+
+    def chat(question: str) -> dict:
+        return {
+            "messages": [
+                {"role": "system", "content": document},
+                {"role": "user", "content": question},
+            ]
+        }
+
+    for n, question in enumerate(["Who plans?", "What do stores keep?", "Tenants?"]):
+        ids = request_tokens("chat", chat(question), acme)
+        assert ids == whole.encode(rendered(model, chat(question))).ids
+        assert model.piece_counts["hits"] == n  # the document's ids, from the 2nd question on
+    request_tokens("chat", chat("Who plans?"), globex)  # another tenant: tokenized anew
+    assert model.piece_counts["hits"] == 2 and model.piece_counts["misses"] == 2
+
+
+def test_piece_ids_are_not_reused_where_an_added_token_strips_its_neighbours(tmp_path):
+    """An added token that eats the whitespace beside it joins its pieces' fates: such a
+    tokenizer is always tokenized whole."""
+    from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
+
+    model = ModelTokenizer(chat_model_dir(tmp_path, lstrip=True))
+    whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    chat = {"messages": [{"role": "system", "content": TEXT[:1500] + "  "}]}
+    ids = request_tokens("chat", chat, model.scoped("acme"))
+    assert ids == whole.encode(rendered(model, chat)).ids
+    assert model.piece_counts == {}
+
+
+def test_a_piece_cache_that_disagrees_with_a_whole_pass_turns_itself_off(tmp_path):
+    from quillcache_core.identity import tokenize
+
+    model = tokenize.ModelTokenizer(chat_model_dir(tmp_path))
+    whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    text = f"<|im_start|>system\n{TEXT[:1500]}<|im_end|>\n"
+    model.encode(text)
+    model._pieces._entries[("", f"system\n{TEXT[:1500]}")] = [7]  # a wrong entry
+    seen = [model.encode(text) for _ in range(tokenize.PIECE_CHECK_EVERY)]
+    assert seen[-1] == whole.encode(text).ids  # the checked text: the whole pass's ids
+    assert model.piece_counts["mismatches"] == 1 and not model._pieces.on
+    assert model.encode(text) == whole.encode(text).ids  # from then on, whole passes

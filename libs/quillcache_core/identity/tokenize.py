@@ -19,7 +19,9 @@ special tokens, are what the sim engine computes with the same settings.
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import re
 from bisect import bisect_left
 from collections import OrderedDict
@@ -31,6 +33,8 @@ from typing import Protocol
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.hashing import common_prefix as _common_prefix
+
+logger = logging.getLogger(__name__)
 
 BUILTIN_VOCAB = 32_000
 BUILTIN_CACHE_PIECES = 200_000
@@ -136,7 +140,11 @@ def _piece_id(piece: str) -> int:
 
 
 class HfTokenizer:
-    """A Hugging Face `tokenizers` tokenizer.json (no special tokens added by default)."""
+    """A Hugging Face `tokenizers` tokenizer.json (no special tokens added by default).
+
+    A long text's pieces between added tokens (a chat template's `<|im_start|>`) keep
+    their ids (`_PieceCache`), within one scope (`scoped`: the gateway's tenant).
+    """
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
         from tokenizers import Tokenizer as _HfTokenizer
@@ -146,9 +154,106 @@ class HfTokenizer:
         except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
             raise InvalidArgument(f"cannot load tokenizer {path}: {exc}") from None
         self.name = name or Path(path).stem
+        self._scope = ""
+        self._pieces = _PieceCache.of(Path(path))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return _encode(self._tok, text, add_special_tokens)
+        pieces = self._pieces
+        if add_special_tokens or pieces is None or len(text) < PIECE_CHARS or not pieces.on:
+            return _encode(self._tok, text, add_special_tokens)
+        return pieces.encode(self._tok, text, self._scope)
+
+    def scoped(self, scope: str):
+        """This tokenizer, its pieces' ids reused only within `scope` (how fast a prompt
+        is tokenized never tells one tenant what another sent)."""
+        view = copy.copy(self)
+        view._scope = scope
+        return view
+
+    @property
+    def piece_counts(self) -> dict[str, int]:
+        pieces = self._pieces
+        return {} if pieces is None else dict(pieces.counts)
+
+
+# A text piece between added tokens at least this long keeps its ids (a document, a
+# conversation's earlier turns); shorter runs are tokenized as they come.
+PIECE_CHARS = 256
+PIECE_ENTRIES = 512
+PIECE_CHECK_EVERY = 64
+
+
+class _PieceCache:
+    """Ids of long text pieces between added tokens, by (scope, piece).
+
+    `tokenizers` splits a text at its added tokens (leftmost-longest) before it
+    normalizes, pre-tokenizes and merges each piece alone, so a text's ids are the ids
+    of its pieces and added tokens in order. That holds for the tokenizers `of` accepts
+    (no normalizer, no Metaspace pre-tokenizer, whose "first" prepend depends on the
+    piece's place, no added token that strips or matches whole words only); every
+    PIECE_CHECK_EVERY'th text is also tokenized whole, and a difference turns the
+    cache off for good (`counts["mismatches"]`).
+    """
+
+    def __init__(self, split: re.Pattern) -> None:
+        self._split = split
+        self._entries: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self.on = True
+        self.counts = {"texts": 0, "hits": 0, "misses": 0, "checks": 0, "mismatches": 0}
+
+    @classmethod
+    def of(cls, path: Path) -> _PieceCache | None:
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        added = spec.get("added_tokens") or []
+        if (
+            spec.get("normalizer") is not None
+            or "Metaspace" in json.dumps(spec.get("pre_tokenizer"))
+            or not added
+            or any(t.get("lstrip") or t.get("rstrip") or t.get("single_word") for t in added)
+        ):
+            return None
+        contents = sorted({t["content"] for t in added if t.get("content")}, key=len, reverse=True)
+        return cls(re.compile("(" + "|".join(map(re.escape, contents)) + ")"))
+
+    def encode(self, tok, text: str, scope: str) -> list[int]:
+        counts = self.counts
+        entries = self._entries
+        ids: list[int] = []
+        run: list[str] = []  # short pieces and added tokens, tokenized together
+        for i, part in enumerate(self._split.split(text)):
+            if i % 2 or len(part) < PIECE_CHARS:
+                run.append(part)
+                continue
+            if run:
+                ids += _encode(tok, "".join(run), False)
+                run = []
+            key = (scope, part)
+            found = entries.get(key)
+            if found is None:
+                counts["misses"] += 1
+                found = entries[key] = _encode(tok, part, False)
+                if len(entries) > PIECE_ENTRIES:
+                    entries.popitem(last=False)
+            else:
+                counts["hits"] += 1
+                entries.move_to_end(key)
+            ids += found
+        if run:
+            ids += _encode(tok, "".join(run), False)
+        counts["texts"] += 1
+        if counts["texts"] % PIECE_CHECK_EVERY == 0:
+            counts["checks"] += 1
+            whole = _encode(tok, text, False)
+            if whole != ids:
+                counts["mismatches"] += 1
+                self.on = False
+                entries.clear()
+                logger.error("%s: piece-wise ids differ from a whole pass; piece cache off", tok)
+                return whole
+        return ids
 
 
 class ModelTokenizer(HfTokenizer):
