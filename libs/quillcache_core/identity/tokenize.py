@@ -251,7 +251,7 @@ class _PieceCache:
                 counts["mismatches"] += 1
                 self.on = False
                 entries.clear()
-                logger.error("%s: piece-wise ids differ from a whole pass; piece cache off", tok)
+                logger.error("piece-wise token ids differ from a whole pass: piece reuse off")
                 return whole
         return ids
 
