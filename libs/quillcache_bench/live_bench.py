@@ -91,7 +91,7 @@ from quillcache_bench.live_systems import (
     RouterError,
     paused,
     start_router,
-    tree_cpu_s,
+    trees_cpu_s,
 )
 from quillcache_bench.live_workloads import (
     ITL_WORKLOADS,
@@ -514,16 +514,17 @@ def _run(
     sessions = make_sessions(workload, n, rate, seed, nonce, size_scale=scale)
     before = [e.counters() for e in engines]
     lookups0 = connector_lookups(endpoints)
-    cpu0, each0 = tree_cpu_s(pids), {name: tree_cpu_s([p]) for name, p in ours_all.items()}
+    groups = {"": pids} | {name: [pid] for name, pid in ours_all.items()}
+    cpu0 = trees_cpu_s(groups)  # "": the measured system's; by name: each of ours
     progress = Progress(label, n)
     samples = asyncio.run(
         drive(target, sessions, on_done=progress.advance, cutoff_s=max(3 * duration, 20.0))
     )
-    cpu1, each1 = tree_cpu_s(pids), {name: tree_cpu_s([p]) for name, p in ours_all.items()}
-    each = {name: round(each1[name] - each0[name], 3) for name in ours_all}
+    cpu1 = trees_cpu_s(groups)
+    each = {name: round(cpu1[name] - cpu0[name], 3) for name in ours_all}
     lookups1 = connector_lookups(endpoints)
     served = [e.counters().minus(b) for e, b in zip(engines, before, strict=True)]
-    figures = summarise(samples, served, cpu1 - cpu0, itl=workload in ITL_WORKLOADS)
+    figures = summarise(samples, served, cpu1[""] - cpu0[""], itl=workload in ITL_WORKLOADS)
     detail = {
         "requests": len(samples),
         "served_per_engine": [c.requests for c in served],

@@ -41,7 +41,7 @@ def gateway_counters(endpoints: dict) -> dict[str, float]:
 
 
 def plan_fallbacks(before: dict[str, float], after: dict[str, float]) -> float:
-    """Plan fallbacks between two `_gateway_counters`; -1 if either could not be read."""
+    """Plan fallbacks between two `gateway_counters`; -1 if either could not be read."""
     if FALLBACKS in before and FALLBACKS in after:
         return after[FALLBACKS] - before[FALLBACKS]
     return -1.0

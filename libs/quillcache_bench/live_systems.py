@@ -169,23 +169,31 @@ def _stat(pid: int) -> tuple[int, float] | None:
 def tree_cpu_s(pids: list[int]) -> float:
     """CPU seconds used so far by `pids` and every live descendant of theirs (threads
     included: /proc/PID/stat counts every thread of a process)."""
+    return trees_cpu_s({"": pids})[""]
+
+
+def trees_cpu_s(groups: dict[str, list[int]]) -> dict[str, float]:
+    """tree_cpu_s of each group of pids, from one pass over /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             found = _stat(int(entry))
             if found is not None:
                 children.setdefault(found[0], []).append(int(entry))
-    total, todo, seen = 0.0, list(pids), set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        found = _stat(pid)
-        if found is not None:
-            total += found[1]
-            todo.extend(children.get(pid, []))
-    return total
+    out = {}
+    for name, pids in groups.items():
+        total, todo, seen = 0.0, list(pids), set()
+        while todo:
+            pid = todo.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            found = _stat(pid)
+            if found is not None:
+                total += found[1]
+                todo.extend(children.get(pid, []))
+        out[name] = total
+    return out
 
 
 # --- engines -----------------------------------------------------------------------------
