@@ -57,6 +57,7 @@ class Child:
     fields: dict[str, str] = field(default_factory=dict)
     log_offset: int = 0  # where the current run's output starts in the log
     paused: bool = False  # being restarted by hand: not supervised meanwhile
+    cores: tuple[int, ...] = ()  # the only cores it and its children may run on (() = any)
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -366,13 +367,16 @@ class LocalCluster:
             events_endpoint="" if events.startswith("tcp://") else events,
             replay_endpoint="" if replay.startswith("tcp://") else replay,
         )
+        # The machine's cores shared out between its engines: its compute threads are
+        # bound to its share, and the whole server (its HTTP frontend too) kept on it.
+        cores = vllm_engine.engine_cores(i, self.engines)
         child = Child(
             name,
             "vllm",
             vllm_engine.niced(argv),
             self.data_dir / "logs" / f"{name}.log",
-            # The machine's cores shared out between its engines.
-            env=vllm_engine.serve_env(tls, cores=vllm_engine.engine_cores(i, self.engines)),
+            env=vllm_engine.serve_env(tls, cores=cores),
+            cores=tuple(cores),
         )
         child.fields = {"http": f"{scheme}://127.0.0.1:{port}"}
         _spawn(child)
@@ -529,6 +533,10 @@ def _spawn(child: Child) -> None:
             start_new_session=True,
             env=child.env,
         )
+    if child.cores:
+        # Before the command starts a thread or a process (`sh` execs it): all inherit it.
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(child.proc.pid, child.cores)
 
 
 def _terminate(child: Child, grace_s: float) -> None:
