@@ -249,6 +249,13 @@ class QuillCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        started = time.perf_counter()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            self.pool.counters.match_seconds += time.perf_counter() - started
+
+    def _matched(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.bypass_file and os.path.exists(self.bypass_file):
             self.pool.counters.requests_bypassed += 1
             return 0, False  # not tracked: nothing loaded or saved for it
@@ -393,6 +400,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, QuillCacheMetadata) or not meta.saves or not self._layers:
             return
+        started = time.perf_counter()
         blocks = []
         for transfer in meta.saves:
             for part, key in enumerate(transfer.keys):
@@ -401,6 +409,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
                     for _, t in self._layers
                 ]
                 blocks.append((key, torch.cat([p.flatten() for p in pieces]).numpy().tobytes()))
+        self.pool.counters.copy_out_seconds += time.perf_counter() - started
         self.pool.save_later(blocks)
         if meta.flush and not self.pool.flush(self.pool.timeout_s):
             logger.warning(

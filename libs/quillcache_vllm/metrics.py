@@ -2,7 +2,8 @@
 
 vLLM's own metrics cover its scheduler (`vllm:external_prefix_cache_hits_total`); these
 say what the pool did: blocks and bytes saved, loaded, dropped, failed loads, and the
-seconds spent loading (on the forward path) and saving (in the background).
+seconds spent loading and copying saves out (on the forward path), sending saves (in
+the background) and in the scheduler's step.
 """
 
 from __future__ import annotations

@@ -51,8 +51,10 @@ class PoolCounters:
     blocks_loaded: int = 0
     bytes_loaded: int = 0
     blocks_load_failed: int = 0  # missing, corrupt or unreachable: recomputed instead
-    save_seconds: float = 0.0
+    save_seconds: float = 0.0  # sending saved blocks to the store (in the background)
     load_seconds: float = 0.0
+    copy_out_seconds: float = 0.0  # copying saved blocks out of the paged cache (forward path)
+    match_seconds: float = 0.0  # in get_num_new_matched_tokens (vLLM's scheduling step)
     lookups: int = 0  # Exists asked of the store node (scheduler side)
     lookup_seconds: float = 0.0
     lookups_planned: int = 0  # answered from the conductor's plan, no store call

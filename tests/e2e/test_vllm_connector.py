@@ -111,6 +111,15 @@ def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same
     cluster, endpoints = pool_fleet
     prompt = text(50 if kind == "chat" else 51, 300)
     engine, first, blocks = answered_and_saved(endpoints, prompt, kind)
+    # What the connector put on vLLM's own path: copying the saves out, and its step.
+    metrics = endpoints["metrics"]
+    copy_s = metric(
+        endpoints, metrics[f"{engine}-connector"], "quillcache_connector_copy_out_seconds"
+    )
+    match_s = metric(
+        endpoints, metrics[f"{engine}-connector-scheduler"], "quillcache_connector_match_seconds"
+    )
+    assert 0 < copy_s < 5 and 0 < match_s < 5
     reset_cache(cluster, endpoints, engine)
     loaded = connector(endpoints, engine, "blocks_loaded")
     external = external_hits(endpoints, engine)
