@@ -172,14 +172,31 @@ def tree_cpu_s(pids: list[int]) -> float:
     return trees_cpu_s({"": pids})[""]
 
 
-def trees_cpu_s(groups: dict[str, list[int]]) -> dict[str, float]:
-    """tree_cpu_s of each group of pids, from one pass over /proc."""
+def _children() -> dict[int, list[int]]:
+    """Every live process's children, by parent pid, from one pass over /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             found = _stat(int(entry))
             if found is not None:
                 children.setdefault(found[0], []).append(int(entry))
+    return children
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every live process under it."""
+    children = _children()
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def trees_cpu_s(groups: dict[str, list[int]]) -> dict[str, float]:
+    """tree_cpu_s of each group of pids, from one pass over /proc."""
+    children = _children()
     out = {}
     for name, pids in groups.items():
         total, todo, seen = 0.0, list(pids), set()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from quillcache_bench.live_systems import process_tree
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.vllm_engine import VLLM_NICE
 from tests.e2e.test_vllm import env, post, text  # noqa: F401 - env is the fixture
@@ -208,31 +209,13 @@ def test_every_process_of_an_engine_stays_on_its_cores(pd_fleet):
     kept = []
     for name in ("engine-0", "engine-1"):
         child = next(c for c in cluster.children if c.name == name)
-        tree = _descendants(child.proc.pid)
+        tree = process_tree(child.proc.pid)
         assert len(tree) >= 2, f"{name}: no vLLM engine process under the server"
         affinities = {frozenset(os.sched_getaffinity(pid)) for pid in tree}
         assert len(affinities) == 1, f"{name}'s processes run on {affinities}"
         kept.append(set(affinities.pop()))
     assert kept[0] and kept[1] and not kept[0] & kept[1]
     assert kept[0] | kept[1] <= os.sched_getaffinity(0)
-
-
-def _descendants(root: int) -> list[int]:
-    """`root` and every process under it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def test_the_engines_give_way_to_the_control_processes(pd_fleet):
