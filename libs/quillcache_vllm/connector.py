@@ -47,10 +47,15 @@ median and 220 ms at the 99th percentile, on two cores shared with the stores, t
 conductors and the other engine; 12 of 361 found a block beyond vLLM's own hit.)
 `scheduler_metrics_port` serves the scheduler side's counters (its lookups).
 
-Worker side: loads run before the forward pass (synchronously; the blocks the plan names
-on a peer node straight from that node's block-data port, in one request per node; a
-block that cannot be loaded, missing, corrupt or unreachable, is reported through
-`get_block_ids_with_load_errors` and vLLM recomputes it: never a wrong token); saves copy
+Worker side: loads run in the background (vLLM's asynchronous loading: the request
+waits in WAITING_FOR_REMOTE_KVS, the engine's other requests are scheduled meanwhile,
+and `get_finished` tells vLLM when its blocks are in; `"async_loads": false` loads
+before the forward pass instead, which every request in it then waits for). A request
+vLLM asks about again after its background load (the load failed, or it was preempted
+since) computes what vLLM lacks rather than load again. The blocks the plan names on a peer node come
+straight from that node's block-data port, in one request per node; a block that cannot
+be loaded, missing, corrupt or unreachable, is reported through
+`get_block_ids_with_load_errors` and vLLM recomputes it: never a wrong token. Saves copy
 the computed blocks out of the paged cache after the forward pass and hand them to a
 bounded background writer (`pool.Pool`), which drops and counts rather than block.
 """
@@ -59,8 +64,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +111,10 @@ class QuillCacheMetadata(KVConnectorMetadata):
     # Some saves are a prefill's for another engine (disaggregation): the worker waits
     # until the store has them, so the request's answer means its KV is in the pool.
     flush: bool = False
+    # Request id -> its blocks to load in the background: vLLM holds the request
+    # (WAITING_FOR_REMOTE_KVS) until the worker reports it loaded (get_finished), and
+    # schedules the engine's other requests meanwhile.
+    async_loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +130,8 @@ class _Tracked:
     saved_to: int = 0  # engine blocks below this are in the pool or queued
     sources: dict[str, str] = field(default_factory=dict)  # the plan's peer of a block
     producer: bool = False  # a prefill for a decode engine: saves are waited for
+    load_async: bool = False  # its loads go to the worker in the background
+    loaded_async: bool = False  # they went: not loaded again when it is scheduled
 
 
 def _plan(request: Request) -> dict:
@@ -184,9 +196,17 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self._lookups: dict[str, tuple[int, Future, float]] = {}
         self.lookup_deadline_s = float(extra.get("lookup_deadline_ms", 250)) / 1000
         self.bypass_file = str(extra.get("bypass_file") or "")
+        # Loads in the background (vLLM's asynchronous loading) unless `async_loads` is
+        # false: then the forward pass that needs them waits, and so does every request
+        # in it.
+        self.async_loads = bool(extra.get("async_loads", True))
+        self._async_ready: list[str] = []  # allocated since the last step's metadata
         # worker side
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._load_errors: set[int] = set()
+        self._loaded: set[str] = set()  # requests whose background loads are done
+        self._load_lock = threading.Lock()  # both sets: the loader thread adds to them
+        self._loader: ThreadPoolExecutor | None = None
         self._metrics = None
         port_field = "metrics_port" if role == KVConnectorRole.WORKER else "scheduler_metrics_port"
         if int(extra.get(port_field, 0)) > 0:
@@ -260,11 +280,18 @@ class QuillCacheConnector(KVConnectorBase_V1):
             self.pool.counters.requests_bypassed += 1
             return 0, False  # not tracked: nothing loaded or saved for it
         keys = self._keys(request)
-        held = self._held(request, keys, num_computed_tokens // self.index_block)
+        local = num_computed_tokens // self.index_block
+        before = self._tracked.get(request.request_id)
+        if before is not None and before.loaded_async:
+            # Asked again after its background load: that load failed (vLLM freed its
+            # blocks) or it was preempted since. It computes what vLLM lacks.
+            held: int | None = local
+        else:
+            held = self._held(request, keys, local)
         if held is None:
             return None, False  # vLLM asks again at its next step
         matched = held // self.parts * self.block_size
-        self._tracked[request.request_id] = _Tracked(
+        tracked = self._tracked[request.request_id] = _Tracked(
             keys,
             held,
             num_computed_tokens,
@@ -273,7 +300,8 @@ class QuillCacheConnector(KVConnectorBase_V1):
         )
         if matched <= num_computed_tokens:
             return 0, False
-        return matched - num_computed_tokens, False
+        tracked.load_async = self.async_loads
+        return matched - num_computed_tokens, tracked.load_async
 
     @staticmethod
     def _plan_fetchable(request: Request, held: int, total: int) -> int:
@@ -290,17 +318,32 @@ class QuillCacheConnector(KVConnectorBase_V1):
         # The request's own count is set only after this call: use the lookup's.
         tracked.load_from = tracked.local // self.block_size
         tracked.load_to = (tracked.local + num_external_tokens) // self.block_size
+        if tracked.load_async:
+            # Not scheduled in this step: its blocks are known from here only.
+            tracked.block_ids = list(blocks.get_block_ids()[0])
+            self._async_ready.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = QuillCacheMetadata()
+        for req_id in self._async_ready:
+            tracked = self._tracked.get(req_id)
+            if tracked is None:  # finished (aborted) before its first step
+                continue
+            transfers = meta.async_loads[req_id] = []
+            for index in range(tracked.load_from, tracked.load_to):
+                transfers.append(self._transfer(tracked, index))
+                self._add_sources(meta, tracked, transfers[-1])
+            tracked.loaded_async = True
+        self._async_ready = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
-            for index in range(tracked.load_from, tracked.load_to):
-                self._add_load(meta, tracked, index)
+            if not tracked.loaded_async:  # else loaded in the background already
+                for index in range(tracked.load_from, tracked.load_to):
+                    self._add_load(meta, tracked, index)
             # What the pool already holds is not saved again.
             tracked.saved_to = max(tracked.load_to, tracked.held // self.parts)
             self._add_saves(meta, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
@@ -325,6 +368,10 @@ class QuillCacheConnector(KVConnectorBase_V1):
     def _add_load(self, meta: QuillCacheMetadata, tracked: _Tracked, index: int) -> None:
         transfer = self._transfer(tracked, index)
         meta.loads.append(transfer)
+        self._add_sources(meta, tracked, transfer)
+
+    @staticmethod
+    def _add_sources(meta: QuillCacheMetadata, tracked: _Tracked, transfer: BlockTransfer):
         for key in transfer.keys:
             source = tracked.sources.get(key.block_hash)
             if source:
@@ -360,16 +407,43 @@ class QuillCacheConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, QuillCacheMetadata) or not meta.loads or not self._layers:
+        if not isinstance(meta, QuillCacheMetadata) or not self._layers:
             return
-        keys = [key for transfer in meta.loads for key in transfer.keys]
-        found = self.pool.get_many(keys, meta.sources)
-        at = 0
-        for transfer in meta.loads:
+        for req_id, transfers in meta.async_loads.items():
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="quillcache-load")
+            self._loader.submit(self._load_in_background, req_id, transfers, meta.sources)
+        if meta.loads:
+            failed = self._load(meta.loads, meta.sources)
+            with self._load_lock:
+                self._load_errors |= failed
+
+    def _load_in_background(
+        self, req_id: str, transfers: list[BlockTransfer], sources: dict[str, str]
+    ) -> None:
+        failed = {t.block_id for t in transfers}
+        try:
+            failed = self._load(transfers, sources)
+        except Exception:  # a failed load is recomputed, never a lost request
+            logger.exception("background load for %s failed", req_id)
+        finally:
+            # Its failed blocks are reported no later than the request itself.
+            with self._load_lock:
+                self._load_errors |= failed
+                self._loaded.add(req_id)
+                self.pool.counters.requests_loaded_async += 1
+
+    def _load(self, transfers: list[BlockTransfer], sources: dict[str, str]) -> set[int]:
+        """Load and inject `transfers`; the engine blocks that failed."""
+        keys = [key for transfer in transfers for key in transfer.keys]
+        found = self.pool.get_many(keys, sources)
+        failed, at = set(), 0
+        for transfer in transfers:
             payloads = found[at : at + len(transfer.keys)]
             at += len(transfer.keys)
             if any(p is None for p in payloads) or not self._inject(transfer.block_id, payloads):
-                self._load_errors.add(transfer.block_id)
+                failed.add(transfer.block_id)
+        return failed
 
     def _inject(self, block_id: int, payloads: list[bytes | None]) -> bool:
         """Copy one engine block's bytes into every layer; False if they do not fit."""
@@ -417,10 +491,20 @@ class QuillCacheConnector(KVConnectorBase_V1):
             )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._load_lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(no sends of ours are asynchronous, the requests whose background loads are
+        done, failed blocks and all: vLLM then schedules them)."""
+        with self._load_lock:
+            loaded, self._loaded = self._loaded, set()
+        return None, loaded or None
+
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if self._metrics is not None:
             self._metrics.shutdown()
         self.pool.close()

@@ -51,6 +51,7 @@ class PoolCounters:
     blocks_loaded: int = 0
     bytes_loaded: int = 0
     blocks_load_failed: int = 0  # missing, corrupt or unreachable: recomputed instead
+    requests_loaded_async: int = 0  # loads done in the background (vLLM's async loading)
     save_seconds: float = 0.0  # sending saved blocks to the store (in the background)
     load_seconds: float = 0.0
     copy_out_seconds: float = 0.0  # copying saved blocks out of the paged cache (forward path)
