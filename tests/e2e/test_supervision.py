@@ -167,13 +167,23 @@ def test_a_killed_conductor_is_back_on_its_address_and_plans_hits_again(cluster)
         assert conductor.proc.pid != old_pid
         assert conductor.fields["grpc"] == endpoints["conductor"]
 
+        # The prompt's blocks computed before the kill are hits again (the last, partly
+        # generated one aside): the reopened index, and the engines' event replay. A plan
+        # in the moment before the replay lands may credit the pool's copies instead
+        # (seen once in CI: 0 hits, 13 fetched, 0.02 s after the conductor was back).
+        computed = int(first.headers["x-quillcache-recompute-blocks"])
+
         def planned_with_hits():
             reply = repeated_prompt(endpoints)
             if reply.headers.get("x-quillcache-plan") == "fallback":
                 return None
+            if int(reply.headers["x-quillcache-hit-blocks"]) < computed - 1:
+                return None
             return reply
 
-        again = wait_until(planned_with_hits, timeout_s=10, what="a plan by the conductor")
+        again = wait_until(
+            planned_with_hits, timeout_s=10, what="a plan with hits by the conductor"
+        )
         planned_s = time.monotonic() - killed
         time.sleep(2.0)
     finally:
@@ -189,9 +199,6 @@ def test_a_killed_conductor_is_back_on_its_address_and_plans_hits_again(cluster)
     assert len(load.results) > RATE * 3
     assert len(failed) <= 0.005 * len(load.results), failed[:5]
     assert late == [], late[:5]
-    # The prompt's blocks computed before the kill are hits again (the last, partly
-    # generated one aside): the reopened index, and the engines' event replay.
-    computed = int(first.headers["x-quillcache-recompute-blocks"])
     assert int(again.headers["x-quillcache-hit-blocks"]) >= computed - 1 > 0, dict(again.headers)
     # (Either engine may hold them by now.)
     assert any(

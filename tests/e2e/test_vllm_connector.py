@@ -138,7 +138,7 @@ def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same
     # The scheduler took the pool's blocks from the plan: its step waited on no store call.
     assert planned_after > planned and asked_after == asked
     assert connector(endpoints, engine, "blocks_loaded") - loaded >= 2 * (blocks - 1)
-    # in the background: vLLM scheduled the engine's other requests meanwhile
+    # the background way (vLLM's asynchronous loading), not in the forward pass
     assert connector(endpoints, engine, "requests_loaded_async") == in_background + 1
     assert external_hits(endpoints, engine) - external >= 32 * (blocks - 1)
     assert cached(again) >= 32 * (blocks - 1)
