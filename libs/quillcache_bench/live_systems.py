@@ -183,34 +183,30 @@ def _children() -> dict[int, list[int]]:
     return children
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every live process under it."""
-    children = _children()
-    out, todo = [], [root]
+def _walk(children: dict[int, list[int]], pids: list[int]) -> list[int]:
+    """`pids` and every process under them in `children`, each once."""
+    out, todo, seen = [], list(pids), set()
     while todo:
         pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
+        if pid not in seen:
+            seen.add(pid)
+            out.append(pid)
+            todo.extend(children.get(pid, []))
     return out
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every live process under it."""
+    return _walk(_children(), [root])
 
 
 def trees_cpu_s(groups: dict[str, list[int]]) -> dict[str, float]:
     """tree_cpu_s of each group of pids, from one pass over /proc."""
     children = _children()
-    out = {}
-    for name, pids in groups.items():
-        total, todo, seen = 0.0, list(pids), set()
-        while todo:
-            pid = todo.pop()
-            if pid in seen:
-                continue
-            seen.add(pid)
-            found = _stat(pid)
-            if found is not None:
-                total += found[1]
-                todo.extend(children.get(pid, []))
-        out[name] = total
-    return out
+    return {
+        name: sum(found[1] for pid in _walk(children, pids) if (found := _stat(pid)) is not None)
+        for name, pids in groups.items()
+    }
 
 
 # --- engines -----------------------------------------------------------------------------
