@@ -22,7 +22,7 @@ B = identity_digest("m", "t", None, "tenant-b")
 
 def test_equal_to_block_hashes_whatever_the_prompts_share():
     rng = random.Random(19)
-    chains = RecentChains(size=4, key_blocks=4)
+    chains = RecentChains(size=4, key_blocks=4, chunk_bytes=128)
     base = [rng.randrange(32000) for _ in range(16 * 40)]
     for _ in range(300):
         cut = rng.randrange(0, len(base) + 1)
@@ -37,7 +37,7 @@ def test_equal_to_block_hashes_whatever_the_prompts_share():
 
 
 def test_another_identity_never_takes_the_hashes():
-    chains = RecentChains(size=4, key_blocks=2)
+    chains = RecentChains(size=4, key_blocks=2, chunk_bytes=64)
     tokens = list(range(16 * 10))
     first, _ = chains.hashes(tokens, 16, A)
     second, _ = chains.hashes(tokens, 16, B)
@@ -45,7 +45,7 @@ def test_another_identity_never_takes_the_hashes():
 
 
 def test_bounded_and_short_prompts_not_kept():
-    chains = RecentChains(size=2, key_blocks=2)
+    chains = RecentChains(size=2, key_blocks=2, chunk_bytes=64)
     chains.hashes(list(range(16 * 2)), 16, A)  # not more than key_blocks blocks
     assert not chains._recent
     for i in range(5):

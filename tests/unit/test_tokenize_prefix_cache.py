@@ -79,5 +79,5 @@ def test_reuse_stays_within_a_scope():
     ids = acme.encode(text)
     assert len(cached._recent) == 1
     assert globex.encode(text) == ids == BuiltinTokenizer().encode(text)
-    assert sorted(scope for scope, _ in cached._recent) == ["acme", "globex"]  # one each
+    assert len(cached._recent) == 2  # globex's did not find acme's: one each
     assert acme.name == cached.name

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from hashlib import blake2b
 
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.identity.prefix_memo import PrefixMemo
 from quillcache_core.model import KvBlockKey
 
 ROOT_PARENT = "root"
@@ -146,18 +146,19 @@ def common_prefix(a, b) -> int:
 class RecentChains:
     """block_hashes for prompts that open like recent ones (the gateway's).
 
-    The last `size` prompts of more than `key_blocks` full blocks are kept, each under
-    its identity, block size and first `key_blocks` blocks of token ids; a prompt that
-    opens like one of them takes its hashes for the whole blocks the two share and
-    hashes only the rest (a document asked about again, a conversation's next turn, a
-    system prompt). The hashes are those of block_hashes: a block's hash depends only
-    on the identity and the tokens up to its end.
+    The last `size` prompts of more than `key_blocks` full blocks are kept
+    (`PrefixMemo`, by whole chunks of `chunk_bytes` of their token ids as u32, within
+    one identity and block size); a prompt is matched with the kept one sharing the most
+    chunks of its opening, takes its hashes for the whole blocks the two share and
+    hashes only the rest (a document asked about again, a conversation's next turn among
+    many that open with the same system prompt). The hashes are those of block_hashes: a
+    block's hash depends only on the identity and the tokens up to its end.
     """
 
-    def __init__(self, size: int = 64, key_blocks: int = 32) -> None:
+    def __init__(self, size: int = 64, key_blocks: int = 32, chunk_bytes: int = 512) -> None:
         self.size = size
         self.key_blocks = key_blocks
-        self._recent: OrderedDict[tuple, tuple[bytes, list[bytes]]] = OrderedDict()
+        self._recent = PrefixMemo(size, chunk_bytes)  # raw token bytes, with their digests
 
     def hashes(
         self, tokens: Sequence[int], block_size: int, identity: bytes
@@ -172,21 +173,22 @@ class RecentChains:
             digests = _digests(raw, 0, full, step, identity, _ZERO)
         else:
             recent = self._recent
-            key = (identity, step, raw[: self.key_blocks * step])
-            found = recent.get(key)
+            keys = recent.keys((identity, step), raw)
+            found = recent.find(keys)
+            replaces = None
             if found is None:
                 digests = _digests(raw, 0, full, step, identity, _ZERO)
             else:
-                recent.move_to_end(key)
-                old_raw, old = found
-                same = min(common_prefix(raw, old_raw) // step, full, len(old))
+                serial, old_raw, old = found
+                shared = common_prefix(raw, old_raw)
+                if shared == len(old_raw):
+                    replaces = serial  # this prompt extends it: keep one of the two
+                same = min(shared // step, full, len(old))
                 digests = old[:same]
                 digests += _digests(
                     raw, same * step, full - same, step, identity, old[same - 1] if same else _ZERO
                 )
-            recent[key] = (raw, digests)
-            if len(recent) > self.size:
-                recent.popitem(last=False)
+            recent.put(keys, raw, digests, replaces)
         return list(map(bytes.hex, digests)), b"".join(digests)
 
 

@@ -33,12 +33,14 @@ from typing import Protocol
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.hashing import common_prefix as _common_prefix
+from quillcache_core.identity.prefix_memo import PrefixMemo
 
 logger = logging.getLogger(__name__)
 
 BUILTIN_VOCAB = 32_000
 BUILTIN_CACHE_PIECES = 200_000
-PREFIX_KEY_CHARS = 2048  # BuiltinTokenizer(prefix_cache): texts longer share by this many
+PREFIX_KEY_CHARS = 2048  # BuiltinTokenizer(prefix_cache): only texts longer are kept
+PREFIX_CHUNK_CHARS = 512  # and found by their whole chunks of this many characters
 _PIECES = re.compile(r"\s+|\w+|[^\w\s]", re.UNICODE)
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -55,12 +57,14 @@ class BuiltinTokenizer:
     Piece ids are memoised in a dict (at most about BUILTIN_CACHE_PIECES entries), so
     a prompt of known pieces costs one regex pass and one lookup per piece.
 
-    With `prefix_cache` (the gateway's), the last texts of at least
-    PREFIX_KEY_CHARS characters are kept, at most that many, each under its first
-    PREFIX_KEY_CHARS characters; a text opening like one of them reuses its ids up to
-    the last piece that ends before where the two texts differ and splits only the
-    rest (a document asked about again, a conversation's next turn). The ids are those
-    of a full pass: a piece's extent depends only on its characters and the one after.
+    With `prefix_cache` (the gateway's), the last texts longer than PREFIX_KEY_CHARS
+    characters are kept, at most that many (`PrefixMemo`, by whole chunks of
+    PREFIX_CHUNK_CHARS); a text is matched with the kept one sharing the most chunks of
+    its opening, reuses its ids up to the last piece that ends before where the two
+    texts differ and splits only the rest (a document asked about again, a
+    conversation's next turn among many that open with the same system prompt). The
+    ids are those of a full pass: a piece's extent depends only on its characters and
+    the one after.
     """
 
     name = "builtin-v1"
@@ -68,8 +72,8 @@ class BuiltinTokenizer:
     def __init__(self, prefix_cache: int = 0) -> None:
         self._ids: dict[str, int] = {}
         self._prefix_cache = prefix_cache
-        # (scope, first PREFIX_KEY_CHARS characters) -> (text, its ids, each piece's end)
-        self._recent: OrderedDict[tuple[str, str], tuple[str, list[int], list[int]]] = OrderedDict()
+        # texts, each with (its ids, each piece's end)
+        self._recent = PrefixMemo(prefix_cache, PREFIX_CHUNK_CHARS)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_in(text, "")
@@ -99,26 +103,27 @@ class BuiltinTokenizer:
 
     def _encode_reusing(self, text: str, scope: str) -> list[int]:
         recent = self._recent
-        key = (scope, text[:PREFIX_KEY_CHARS])
-        found = recent.get(key)
+        keys = recent.keys(scope, text)
+        found = recent.find(keys)
+        replaces = None
         if found is None:
             pieces = _PIECES.findall(text)
             ids = self._encode_pieces(pieces)
             ends = list(accumulate(map(len, pieces)))
         else:
-            recent.move_to_end(key)
-            old_text, old_ids, old_ends = found
+            serial, old_text, (old_ids, old_ends) = found
+            same = _common_prefix(text, old_text)
+            if same == len(old_text):
+                replaces = serial  # this text extends it: keep one of the two
             # Pieces ending before the first difference are the same in both texts.
-            kept = bisect_left(old_ends, _common_prefix(text, old_text))
+            kept = bisect_left(old_ends, same)
             start = old_ends[kept - 1] if kept else 0
             pieces = _PIECES.findall(text, start)
             ids = old_ids[:kept]
             ids += self._encode_pieces(pieces)
             ends = old_ends[:kept]
             ends += islice(accumulate(map(len, pieces), initial=start), 1, None)
-        recent[key] = (text, ids, ends)
-        if len(recent) > self._prefix_cache:
-            recent.popitem(last=False)
+        recent.put(keys, text, (ids, ends), replaces)
         return ids[:]  # the caller's own list: the kept one stays as it is
 
 
