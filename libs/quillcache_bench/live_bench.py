@@ -313,7 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         if baseline:
             _restore(engines, baseline)
     runs = [
-        {"workload": w, "load": load, "systems": results[(w, load)]}
+        {
+            "workload": w,
+            "load": load,
+            "rate_rps": (decode_rates if w in ITL_WORKLOADS else rates)[load],
+            "systems": results[(w, load)],
+        }
         for w, load in cells
         if (w, load) in results
     ]
