@@ -6,14 +6,23 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from quillcache_conductor.state import ConductorState
 from quillcache_core.index import MemoryIndex
 from quillcache_core.model import CacheResidency, CacheTier, CostModel
 from quillcache_core.registry import NodeRecord
-from quillcache_core.routing.calibrate import FetchPrice, ModelSpeeds, PrefillSpeed, scaled
+from quillcache_core.routing.calibrate import (
+    FetchPrice,
+    ModelSpeeds,
+    PrefillSpeed,
+    median_of,
+    scaled,
+)
 from quillcache_core.routing.planner import CostPlanner
 from tests.unit.factories import MODEL, make_request
 from tests.unit.test_conductor_optimistic import Clock, engine_record
@@ -322,3 +331,27 @@ def test_a_reported_first_token_holds_the_prefill_until_it_comes():
     state.clock.now += 4 * lost.decision.chosen.est_ttft_us / 1e6 + 2.5
     state.tick()
     assert engine.queued_prefill_tokens == 0
+
+
+def test_median_of_is_numpys_median():
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 3, 4, 63, 64, 1024):
+        values = rng.normal(50.0, 20.0, n)
+        assert median_of(values) == float(np.median(values))
+        assert median_of(np.sort(values)) == float(np.median(values))
+
+
+def test_a_refit_does_not_import_numpy_ma():
+    """np.median's first call imports numpy.ma: tens of milliseconds inside a live
+    conductor's first refit, with every other call on its loop waiting."""
+    code = (
+        "import sys\n"
+        "from quillcache_core.routing.calibrate import PrefillSpeed\n"
+        "speed = PrefillSpeed(45.0)\n"
+        "for i in range(64):\n"
+        "    speed.observe(100 + 37 * i, 1000.0 + 45.0 * (100 + 37 * i))\n"
+        "assert speed.fitted, 'no refit ran'\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
