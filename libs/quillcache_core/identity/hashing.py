@@ -173,8 +173,9 @@ class RecentChains:
             digests = _digests(raw, 0, full, step, identity, _ZERO)
         else:
             recent = self._recent
-            keys = recent.keys((identity, step), raw)
-            found = recent.find(keys)
+            scope = (identity, step)
+            keys = recent.keys(scope, raw)
+            found = recent.find(scope, keys)
             replaces = None
             if found is None:
                 digests = _digests(raw, 0, full, step, identity, _ZERO)
@@ -188,7 +189,7 @@ class RecentChains:
                 digests += _digests(
                     raw, same * step, full - same, step, identity, old[same - 1] if same else _ZERO
                 )
-            recent.put(keys, raw, digests, replaces)
+            recent.put(scope, keys, raw, digests, replaces)
         return list(map(bytes.hex, digests)), b"".join(digests)
 
 

@@ -11,9 +11,11 @@ pass, one hash per chunk) and tries its keys from the longest down, so a convers
 previous turn is found even when many conversations open with the same system prompt
 (a single key per opening found only the last of them).
 
-A key only proposes a candidate; the caller measures the prefix the two really share
-(`common_prefix`) and reuses that much, so a hash collision costs time, never a wrong
-result. Keys live in this process only (Python's hash is seeded per process).
+A key only proposes a candidate: one kept under another scope is never returned (the
+scope is compared, not only hashed: a gateway's tenant never reuses another's prompt),
+and the caller measures the prefix the two really share (`common_prefix`) and reuses
+that much, so a hash collision costs time, never a wrong result. Keys live in this
+process only (Python's hash is seeded per process).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class PrefixMemo:
             raise ValueError("chunk must be positive")
         self.size = size
         self.chunk = chunk
-        self._entries: OrderedDict[int, tuple[list[int], Any, Any]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[Any, list[int], Any, Any]] = OrderedDict()
         self._by_key: dict[int, int] = {}  # chain key -> the newest entry filed under it
         self._serials = count()
 
@@ -49,27 +51,32 @@ class PrefixMemo:
             append(key)
         return out
 
-    def find(self, keys: list[int]) -> tuple[int, Any, Any] | None:
-        """(serial, sequence, payload) of the kept entry filed under the longest of
-        `keys`, or None."""
+    def find(self, scope: Any, keys: list[int]) -> tuple[int, Any, Any] | None:
+        """(serial, sequence, payload) of the entry of `scope` filed under the longest of
+        `keys` (from `keys(scope, ...)`), or None."""
         by_key, entries = self._by_key, self._entries
         for key in reversed(keys):
             serial = by_key.get(key)
             if serial is not None:
+                kept_scope, _, seq, payload = entries[serial]
+                if kept_scope != scope:
+                    continue  # a collision of two scopes' keys
                 entries.move_to_end(serial)
-                _, seq, payload = entries[serial]
                 return serial, seq, payload
         return None
 
-    def put(self, keys: list[int], seq: Any, payload: Any, replaces: int | None = None) -> None:
-        """Keep `seq` with `payload` under `keys`; `replaces` (a serial from `find`
-        whose sequence `seq` extends) is dropped. The oldest entry goes beyond `size`."""
+    def put(
+        self, scope: Any, keys: list[int], seq: Any, payload: Any, replaces: int | None = None
+    ) -> None:
+        """Keep `seq` of `scope` with `payload` under `keys`; `replaces` (a serial from
+        `find` whose sequence `seq` extends) is dropped. The oldest entry goes beyond
+        `size`."""
         if self.size <= 0 or not keys:
             return
         if replaces is not None:
             self._drop(replaces)
         serial = next(self._serials)
-        self._entries[serial] = (keys, seq, payload)
+        self._entries[serial] = (scope, keys, seq, payload)
         by_key = self._by_key
         for key in keys:
             by_key[key] = serial
@@ -81,6 +88,6 @@ class PrefixMemo:
         if entry is None:
             return
         by_key = self._by_key
-        for key in entry[0]:
+        for key in entry[1]:
             if by_key.get(key) == serial:
                 del by_key[key]

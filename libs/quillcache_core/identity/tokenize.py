@@ -104,7 +104,7 @@ class BuiltinTokenizer:
     def _encode_reusing(self, text: str, scope: str) -> list[int]:
         recent = self._recent
         keys = recent.keys(scope, text)
-        found = recent.find(keys)
+        found = recent.find(scope, keys)
         replaces = None
         if found is None:
             pieces = _PIECES.findall(text)
@@ -123,7 +123,7 @@ class BuiltinTokenizer:
             ids += self._encode_pieces(pieces)
             ends = old_ends[:kept]
             ends += islice(accumulate(map(len, pieces), initial=start), 1, None)
-        recent.put(keys, text, (ids, ends), replaces)
+        recent.put(scope, keys, text, (ids, ends), replaces)
         return ids[:]  # the caller's own list: the kept one stays as it is
 
 
