@@ -11,9 +11,9 @@ from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.hashing import (
     RecentChains,
     block_hashes,
-    common_prefix,
     identity_digest,
 )
+from quillcache_core.identity.prefix_memo import common_prefix
 from quillcache_core.wire.plan import pack_hashes
 
 A = identity_digest("m", "t", None, "tenant-a")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
+from quillcache_core.identity.prefix_memo import common_prefix as _common_prefix
 from quillcache_core.identity.tokenize import (
     PREFIX_KEY_CHARS,
     BuiltinTokenizer,
-    _common_prefix,
 )
 
 ALPHABET = ["w", "x", "é", "7", "_", " ", "  ", "\n", "\t", ".", ",", "!", "<|im_end|>", "ß"]

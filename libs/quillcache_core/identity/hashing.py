@@ -127,22 +127,6 @@ def _digests(
     return digests
 
 
-def common_prefix(a, b) -> int:
-    """Length of the longest common prefix of two str or bytes (slice compares, no
-    Python step per character)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
-    while high - low > 1:
-        mid = (low + high) // 2
-        if a[low:mid] == b[low:mid]:
-            low = mid
-        else:
-            high = mid
-    return low
-
-
 class RecentChains:
     """block_hashes for prompts that open like recent ones (the gateway's).
 
@@ -172,24 +156,14 @@ class RecentChains:
         if full <= self.key_blocks or self.size <= 0:
             digests = _digests(raw, 0, full, step, identity, _ZERO)
         else:
-            recent = self._recent
-            scope = (identity, step)
-            keys = recent.keys(scope, raw)
-            found = recent.find(scope, keys)
-            replaces = None
-            if found is None:
-                digests = _digests(raw, 0, full, step, identity, _ZERO)
-            else:
-                serial, old_raw, old = found
-                shared = common_prefix(raw, old_raw)
-                if shared == len(old_raw):
-                    replaces = serial  # this prompt extends it: keep one of the two
-                same = min(shared // step, full, len(old))
-                digests = old[:same]
-                digests += _digests(
-                    raw, same * step, full - same, step, identity, old[same - 1] if same else _ZERO
-                )
-            recent.put(scope, keys, raw, digests, replaces)
+            found = self._recent.lookup((identity, step), raw)
+            old = found.payload or []  # the digests of the kept prompt it opens like
+            same = min(found.shared // step, full, len(old))
+            digests = old[:same]
+            digests += _digests(
+                raw, same * step, full - same, step, identity, old[same - 1] if same else _ZERO
+            )
+            self._recent.keep(found, raw, digests)
         return list(map(bytes.hex, digests)), b"".join(digests)
 
 

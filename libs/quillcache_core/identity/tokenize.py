@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Protocol
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.identity.hashing import common_prefix as _common_prefix
 from quillcache_core.identity.prefix_memo import PrefixMemo
 
 logger = logging.getLogger(__name__)
@@ -102,28 +101,17 @@ class BuiltinTokenizer:
             return list(map(ids.__getitem__, pieces))
 
     def _encode_reusing(self, text: str, scope: str) -> list[int]:
-        recent = self._recent
-        keys = recent.keys(scope, text)
-        found = recent.find(scope, keys)
-        replaces = None
-        if found is None:
-            pieces = _PIECES.findall(text)
-            ids = self._encode_pieces(pieces)
-            ends = list(accumulate(map(len, pieces)))
-        else:
-            serial, old_text, (old_ids, old_ends) = found
-            same = _common_prefix(text, old_text)
-            if same == len(old_text):
-                replaces = serial  # this text extends it: keep one of the two
-            # Pieces ending before the first difference are the same in both texts.
-            kept = bisect_left(old_ends, same)
-            start = old_ends[kept - 1] if kept else 0
-            pieces = _PIECES.findall(text, start)
-            ids = old_ids[:kept]
-            ids += self._encode_pieces(pieces)
-            ends = old_ends[:kept]
-            ends += islice(accumulate(map(len, pieces), initial=start), 1, None)
-        recent.put(scope, keys, text, (ids, ends), replaces)
+        found = self._recent.lookup(scope, text)
+        old_ids, old_ends = found.payload or ([], [])  # those of the kept text it opens like
+        # Pieces ending before the first difference are the same in both texts.
+        kept = bisect_left(old_ends, found.shared)
+        start = old_ends[kept - 1] if kept else 0
+        pieces = _PIECES.findall(text, start)
+        ids = old_ids[:kept]
+        ids += self._encode_pieces(pieces)
+        ends = old_ends[:kept]
+        ends += islice(accumulate(map(len, pieces), initial=start), 1, None)
+        self._recent.keep(found, text, (ids, ends))
         return ids[:]  # the caller's own list: the kept one stays as it is
 
 
