@@ -237,6 +237,15 @@ def test_our_tokens_are_vllms_for_completions_and_chat(fleet):
         body = {"model": BIG, "add_generation_prompt": True, **case}
         theirs = post(cluster, engine + "/tokenize", body)["tokens"]
         assert request_tokens("chat", case, ours) == theirs, case
+    # A document asked about again: the second question reuses the first one's ids up to
+    # where they part, and they are still vLLM's.
+    document, acme = text(5, 300), ours.scoped("acme")
+    for question in ("Who plans the cache?", "What do 42 stores keep, and why?"):
+        case = {"messages": [{"role": "user", "content": f"{document}\n\n{question}"}]}
+        body = {"model": BIG, "add_generation_prompt": True, **case}
+        theirs = post(cluster, engine + "/tokenize", body)["tokens"]
+        assert request_tokens("chat", case, acme) == theirs, question
+    assert ours.piece_counts["reused_chars"] >= len(document) - 20
 
 
 def test_the_gateway_routes_to_vllm_and_greedy_output_equals_a_direct_call(fleet):

@@ -24,7 +24,6 @@ import json
 import logging
 import re
 from bisect import bisect_left
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from hashlib import blake2b
 from itertools import accumulate, islice
@@ -135,8 +134,9 @@ def _piece_id(piece: str) -> int:
 class HfTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json (no special tokens added by default).
 
-    A long text's pieces between added tokens (a chat template's `<|im_start|>`) keep
-    their ids (`_PieceCache`), within one scope (`scoped`: the gateway's tenant).
+    A long text piece between added tokens (a chat template's `<|im_start|>`) reuses
+    the ids of a kept piece it opens like (`_PieceCache`), within one scope (`scoped`:
+    the gateway's tenant).
     """
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
@@ -174,25 +174,50 @@ class HfTokenizer:
 PIECE_CHARS = 256
 PIECE_ENTRIES = 512
 PIECE_CHECK_EVERY = 64
+# A kept piece is found by its whole chunks of this many characters (`PrefixMemo`).
+PIECE_CHUNK_CHARS = 256
+_CUT_AFTER = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 
 
 class _PieceCache:
-    """Ids of long text pieces between added tokens, by (scope, piece).
+    """Ids of long text pieces between added tokens, reused by (scope, opening).
 
     `tokenizers` splits a text at its added tokens (leftmost-longest) before it
     normalizes, pre-tokenizes and merges each piece alone, so a text's ids are the ids
-    of its pieces and added tokens in order. That holds for the tokenizers `of` accepts
-    (no normalizer, no Metaspace pre-tokenizer, whose "first" prepend depends on the
-    piece's place, no added token that strips or matches whole words only); every
-    PIECE_CHECK_EVERY'th text is also tokenized whole, and a difference turns the
-    cache off for good (`counts["mismatches"]`).
+    of its pieces and added tokens in order. A long piece is matched with the kept piece
+    of the same scope that shares the most of its opening (`PrefixMemo`: a document
+    asked about again with another question, a conversation's earlier turns) and reuses
+    its ids up to the last cut before where the two differ; only the rest is tokenized.
+
+    A cut is taken before a space that follows an ASCII letter or digit. The
+    pre-tokenizers of byte-level BPE (GPT-2's and Llama 3's patterns, BERT's whitespace
+    split) end the pre-token holding that letter or digit right there, since none of
+    their alternatives runs from a letter or digit into a space, and start the next one
+    with the space; none looks behind, and merges never cross a pre-token. So the ids of
+    a text are those of its two halves, and the kept piece's ids before a cut (its
+    tokens that start before it: `tokenizers`' offsets) are the new piece's too wherever
+    the space is shared.
+
+    That holds for the tokenizers `of` accepts (no normalizer, no Metaspace
+    pre-tokenizer, whose "first" prepend depends on the piece's place, no added token
+    that strips or matches whole words only); every PIECE_CHECK_EVERY'th text is also
+    tokenized whole, and a difference turns the cache off for good
+    (`counts["mismatches"]`).
     """
 
     def __init__(self, split: re.Pattern) -> None:
         self._split = split
-        self._entries: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        # piece -> (ids, cut positions, ids before each cut)
+        self._memo = PrefixMemo(PIECE_ENTRIES, PIECE_CHUNK_CHARS)
         self.on = True
-        self.counts = {"texts": 0, "hits": 0, "misses": 0, "checks": 0, "mismatches": 0}
+        self.counts = {
+            "texts": 0,
+            "hits": 0,
+            "misses": 0,
+            "reused_chars": 0,
+            "checks": 0,
+            "mismatches": 0,
+        }
 
     @classmethod
     def of(cls, path: Path) -> _PieceCache | None:
@@ -213,7 +238,6 @@ class _PieceCache:
 
     def encode(self, tok, text: str, scope: str) -> list[int]:
         counts = self.counts
-        entries = self._entries
         ids: list[int] = []
         run: list[str] = []  # short pieces and added tokens, tokenized together
         for i, part in enumerate(self._split.split(text)):
@@ -223,17 +247,7 @@ class _PieceCache:
             if run:
                 ids += _encode(tok, "".join(run), False)
                 run = []
-            key = (scope, part)
-            found = entries.get(key)
-            if found is None:
-                counts["misses"] += 1
-                found = entries[key] = _encode(tok, part, False)
-                if len(entries) > PIECE_ENTRIES:
-                    entries.popitem(last=False)
-            else:
-                counts["hits"] += 1
-                entries.move_to_end(key)
-            ids += found
+            ids += self._piece(tok, part, scope)
         if run:
             ids += _encode(tok, "".join(run), False)
         counts["texts"] += 1
@@ -243,10 +257,46 @@ class _PieceCache:
             if whole != ids:
                 counts["mismatches"] += 1
                 self.on = False
-                entries.clear()
+                self._memo = PrefixMemo(0, PIECE_CHUNK_CHARS)
                 logger.error("piece-wise token ids differ from a whole pass: piece reuse off")
                 return whole
         return ids
+
+    def _piece(self, tok, piece: str, scope: str) -> list[int]:
+        """`piece`'s ids: those of the kept piece it opens like, up to the last cut
+        before their first difference (all of them for the same piece again), then the
+        rest's."""
+        found = self._memo.lookup(scope, piece)
+        if found.payload is None:
+            start = 0
+        elif found.extends is not None and found.shared == len(piece):
+            self.counts["hits"] += 1  # the same piece
+            self.counts["reused_chars"] += len(piece)
+            return found.payload[0][:]
+        else:
+            start = _last_cut(piece, found.shared)
+        if start:
+            old_ids, old_starts = found.payload
+            kept = bisect_left(old_starts, start)  # the tokens before the cut
+            ids, starts = old_ids[:kept], old_starts[:kept]
+            rest = _encoding(tok, piece[start:])
+            ids += rest.ids
+            starts += [start + first for first, _ in rest.offsets]
+        else:
+            whole = _encoding(tok, piece)
+            ids, starts = whole.ids, [first for first, _ in whole.offsets]
+        self.counts["hits" if start else "misses"] += 1
+        self.counts["reused_chars"] += start
+        self._memo.keep(found, piece, (ids, starts))
+        return ids[:]  # the caller's own list: the kept one stays as it is
+
+
+def _last_cut(text: str, before: int) -> int:
+    """The last cut (see `_PieceCache`) in `text[:before]`, 0 when there is none."""
+    at = text.rfind(" ", 0, before)
+    while at > 0 and text[at - 1] not in _CUT_AFTER:
+        at = text.rfind(" ", 0, at)
+    return max(at, 0)
 
 
 class ModelTokenizer(HfTokenizer):
@@ -293,10 +343,14 @@ class ModelTokenizer(HfTokenizer):
 
 
 def _encode(tok, text: str, add_special_tokens: bool) -> list[int]:
+    return _encoding(tok, text, add_special_tokens).ids
+
+
+def _encoding(tok, text: str, add_special_tokens: bool = False):
     """A `tokenizers` encode that refuses what it cannot encode (a lone surrogate from
     JSON's "\\ud800") with InvalidArgument instead of the library's TypeError."""
     try:
-        return tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return tok.encode(text, add_special_tokens=add_special_tokens)
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"the prompt holds text that cannot be tokenized: {exc}") from None
 
