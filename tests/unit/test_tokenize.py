@@ -198,7 +198,8 @@ def test_a_piece_cache_that_disagrees_with_a_whole_pass_turns_itself_off(tmp_pat
     text = f"<|im_start|>system\n{TEXT[:1500]}<|im_end|>\n"
     model.encode(text)
     for entry in model._pieces._memo._entries.values():  # a wrong entry
-        entry[3][0][:] = [7] * len(entry[3][0])
+        ids = entry[3][0]
+        ids[:] = [7] * len(ids)
     seen = [model.encode(text) for _ in range(tokenize.PIECE_CHECK_EVERY)]
     assert seen[-1] == whole.encode(text).ids  # the checked text: the whole pass's ids
     assert model.piece_counts["mismatches"] == 1 and not model._pieces.on
