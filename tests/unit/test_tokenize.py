@@ -8,6 +8,7 @@ from quillcache_core.identity.tokenize import (
     prompt_tokens,
     render_chat,
 )
+from tests.support.chatml import chatml_model_dir
 
 pytestmark = pytest.mark.unit
 
@@ -127,19 +128,8 @@ def test_a_model_directory_refuses_untokenizable_text_with_a_client_error(tmp_pa
 def chat_model_dir(tmp_path, **added):
     """A model directory: the tokenizer trained here with ChatML's added tokens (their
     options from `added`) and a ChatML template."""
-    import json
-
-    from tokenizers import AddedToken
-
     tok = Tokenizer.from_file(train_tokenizer(tmp_path / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, **added) for t in ("<|im_start|>", "<|im_end|>")])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}<|im_start|>assistant\n"
-    )
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return tmp_path
+    return chatml_model_dir(tmp_path, tok, **added)
 
 
 def rendered(model, chat: dict) -> str:

@@ -1,13 +1,13 @@
 """A long prompt piece reuses the ids of a kept piece it opens like (`_PieceCache`), and
 its ids are always those of a whole pass, on the pre-tokenizers of real models."""
 
-import json
 import random
 
 import pytest
-from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 from quillcache_core.identity.tokenize import PIECE_CHECK_EVERY, ModelTokenizer
+from tests.support.chatml import chatml_model_dir
 
 pytestmark = pytest.mark.unit
 
@@ -32,8 +32,7 @@ def _text(rng: random.Random, words: int) -> str:
 
 
 def _model_dir(tmp_path, pre_tokenizer, model="bpe"):
-    """A model directory with a tokenizer trained here (ChatML's added tokens) and a
-    ChatML template."""
+    """A model directory with a tokenizer trained here on `_text`'s pieces."""
     rng = random.Random(7)
     corpus = [_text(rng, 60) for _ in range(300)]
     if model == "bpe":
@@ -46,14 +45,7 @@ def _model_dir(tmp_path, pre_tokenizer, model="bpe"):
         trainer = trainers.WordPieceTrainer(vocab_size=600, special_tokens=["[UNK]"])
     tok.pre_tokenizer = pre_tokenizer
     tok.train_from_iterator(corpus, trainer)
-    tok.add_special_tokens([AddedToken(t) for t in ("<|im_start|>", "<|im_end|>")])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}<|im_start|>assistant\n"
-    )
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return tmp_path
+    return chatml_model_dir(tmp_path, tok)
 
 
 TOKENIZERS = {
