@@ -210,7 +210,7 @@ class _PieceCache:
 
     def __init__(self, split: re.Pattern) -> None:
         self._split = split
-        # piece -> (ids, cut positions, ids before each cut)
+        # piece -> (its ids, where each of its tokens starts)
         self._memo = PrefixMemo(PIECE_ENTRIES, PIECE_CHUNK_CHARS)
         self.on = True
         self.counts = {
