@@ -376,6 +376,12 @@ class StoreServer:
                 read=lambda: [((), data_server.stats()["connections_refused"])],
             )
             m.gauge(
+                "store_data_put_ack_writes_total",
+                "writes that carried put acks on the block data port (a batch's acks go "
+                "out together)",
+                read=lambda: [((), data_server.stats()["ack_writes"])],
+            )
+            m.gauge(
                 "store_data_puts_refused_total",
                 "puts on the block data port that stored nothing",
                 read=lambda: [((), data_server.stats()["puts_refused"])],

@@ -169,6 +169,43 @@ def test_bad_bytes_are_refused_and_a_malformed_put_closes_the_connection(lone_st
     assert lone_store.metric("quillcache_store_data_put_blocks_total") == 1
 
 
+def test_a_batch_of_puts_gets_its_acks_in_order_in_a_few_writes(lone_store):
+    """100 puts sent back to back on one connection, one with bytes that do not match
+    its checksum, then a get: every put is answered in its place (the bad one
+    DATA_LOSS), the get after them, and the acks went out in a few writes, not one a
+    put."""
+    host, _, port = _data_address(lone_store).rpartition(":")
+    payloads = [bytes([i]) * 1024 for i in range(100)]
+    keys = [block_key(i, chain="acks") for i in range(100)]
+    frames = []
+    for i, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
+        checksum = payload_checksum(payload) ^ (1 if i == 57 else 0)
+        frames.append(
+            dataproto.encode_put(
+                key, len(payload), checksum, tier=CacheTier.CPU_DRAM, durable=False
+            )
+            + payload
+        )
+    before = lone_store.metric("quillcache_store_data_put_ack_writes_total")
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    with client_context("engine").wrap_socket(raw) as sock:
+        sock.sendall(b"".join(frames) + dataproto.encode_request([keys[3]]))
+        acks = [_ack(sock)[0] for _ in keys]
+        head = memoryview(bytearray(dataproto.BLOCK_HEADER.size))
+        assert recv_exactly(sock, head) == head.nbytes
+        block = dataproto.decode_block_header(head, 4 * MIB)
+        got = memoryview(bytearray(block.payload_len))
+        assert recv_exactly(sock, got) == block.payload_len
+    assert [a.status for a in acks] == [
+        dataproto.STATUS_DATA_LOSS if i == 57 else dataproto.STATUS_OK for i in range(100)
+    ]
+    ok = [(a, p) for a, p in zip(acks, payloads, strict=True) if a.status == dataproto.STATUS_OK]
+    assert all(a.checksum == payload_checksum(p) for a, p in ok)
+    assert bytes(got) == payloads[3]
+    writes = lone_store.metric("quillcache_store_data_put_ack_writes_total") - before
+    assert 2 <= writes <= 10, writes  # at most ACKS_PER_WRITE (64) acks a write
+
+
 def test_a_changed_payload_is_refused_through_the_client(lone_store):
     """The client's checksum travels with the put: a payload that differs from it (here
     a buffer changed between checksum and send, as a racing writer would) is refused."""

@@ -20,7 +20,10 @@ A put (`protocol` PUT frames) is received straight into where it is stored: a DR
 pool buffer, or for a durable or SSD put an SSD record buffer with its header's room
 reserved (`TieredStore.put_filled`), checked against the checksum the client sent,
 then acknowledged (a durable put after its SSD commit, which concurrent puts on other
-connections share).
+connections share). Acks are written when the client has nothing more waiting on the
+connection, or every `ACKS_PER_WRITE` puts (`_Acks`): a batch of puts sent back to back
+gets its acks in a few writes, in order, instead of one write (a TLS record and a
+syscall on each side) per block; a lone put is answered at once.
 
 Threads, not the event loop: the bytes move in blocking `sendmsg` calls that release
 the GIL, so a transfer costs the node's gRPC loop nothing. At most `max_connections`
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import socket
 import ssl
 import struct
@@ -168,6 +172,42 @@ def send_verified(sock: socket.socket, header: bytes, view: memoryview, checksum
     return hasher.intdigest() == checksum
 
 
+ACKS_PER_WRITE = 64  # puts answered by one write at most (an ack is 28 bytes)
+
+
+class _Acks:
+    """One connection's put acks not yet written, in order (see the module docstring)."""
+
+    __slots__ = ("_conn", "_queued", "_poll", "_written")
+
+    def __init__(self, conn: socket.socket, written) -> None:
+        self._conn = conn
+        self._queued: list[bytes] = []
+        self._poll = select.poll()
+        self._poll.register(conn, select.POLLIN)
+        self._written = written  # called with the acks of each write
+
+    def add(self, ack: bytes) -> None:
+        self._queued.append(ack)
+
+    def flush_unless_more(self) -> None:
+        """Write the queued acks, unless the client has already sent more (bytes TLS
+        has decrypted, or bytes waiting on the socket) and fewer than ACKS_PER_WRITE
+        are queued: the next request is read first."""
+        if len(self._queued) < ACKS_PER_WRITE and (
+            (isinstance(self._conn, ssl.SSLSocket) and self._conn.pending())
+            or self._poll.poll(0)
+        ):
+            return
+        self.flush()
+
+    def flush(self) -> None:
+        if self._queued:
+            queued, self._queued = self._queued, []
+            self._conn.sendall(b"".join(queued))
+            self._written(len(queued))
+
+
 class BlockDataServer:
     """Serves this node's blocks on a raw TCP port. `start()` returns the port."""
 
@@ -204,6 +244,8 @@ class BlockDataServer:
         self.bytes_received = 0
         self.puts_refused = 0
         self.connections_refused = 0
+        self.acks_sent = 0
+        self.ack_writes = 0
 
     def start(self) -> int:
         listener = socket.create_server((self.host, self.port), backlog=128, reuse_port=False)
@@ -244,6 +286,8 @@ class BlockDataServer:
                 "bytes_received": self.bytes_received,
                 "puts_refused": self.puts_refused,
                 "connections_refused": self.connections_refused,
+                "acks_sent": self.acks_sent,
+                "ack_writes": self.ack_writes,
             }
 
     # --- connections ------------------------------------------------------------------------
@@ -290,6 +334,7 @@ class BlockDataServer:
         return None
 
     def _serve(self, conn: socket.socket, peer) -> None:
+        acks = None
         try:
             if self._ssl is not None:
                 secured = self._secure(conn, peer)
@@ -297,6 +342,7 @@ class BlockDataServer:
                     return
                 conn = secured
             tune_socket(conn, self.io_timeout_s)
+            acks = _Acks(conn, self._count_acks)
             header = memoryview(bytearray(dataproto.REQUEST_HEADER.size))
             while True:
                 got = recv_exactly(conn, header)
@@ -306,8 +352,10 @@ class BlockDataServer:
                     raise ConnectionError("connection closed inside a request header")
                 kind, flags, length = dataproto.decode_frame_header(header)
                 if kind == dataproto.PUT_MAGIC:
-                    self._receive_put(conn, flags, length)
+                    self._receive_put(conn, flags, length, acks)
+                    acks.flush_unless_more()
                     continue
+                acks.flush()  # a get is answered after the puts before it
                 body = memoryview(bytearray(length))
                 if recv_exactly(conn, body) < body.nbytes:
                     raise ConnectionError("connection closed inside a request body")
@@ -320,6 +368,9 @@ class BlockDataServer:
         except Exception:
             log.exception("block data connection from %s failed", peer)
         finally:
+            if acks is not None:  # what was stored is still acknowledged, if it can be
+                with contextlib.suppress(OSError):
+                    acks.flush()
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
@@ -357,9 +408,9 @@ class BlockDataServer:
         send_parts(conn, [header, view])
         self._count_sent(view.nbytes)
 
-    def _receive_put(self, conn: socket.socket, flags: int, identity_len: int) -> None:
-        """One put: its header rest, identity and payload, stored, then acknowledged.
-        Raises (dropping the connection) when the stream cannot be followed."""
+    def _receive_put(self, conn: socket.socket, flags: int, identity_len: int, acks) -> None:
+        """One put: its header rest, identity and payload, stored, then its ack queued
+        on `acks`. Raises (dropping the connection) when the stream cannot be followed."""
         fixed = memoryview(bytearray(dataproto.PUT_FIXED.size + identity_len))
         if recv_exactly(conn, fixed) < fixed.nbytes:
             raise ConnectionError("connection closed inside a put header")
@@ -372,7 +423,8 @@ class BlockDataServer:
             # The payload's length cannot be trusted: answer, then drop the connection,
             # reading what the client still sends for a moment first (closing with
             # unread bytes resets the connection, which can discard the answer).
-            self._refuse_put(conn, exc)
+            self._refuse_put(acks, exc)
+            acks.flush()
             linger_close(conn)
             raise
         n, checksum = put.payload_len, put.checksum
@@ -403,18 +455,23 @@ class BlockDataServer:
                 drain(conn, n)  # keep the stream in step for the next put
             if not isinstance(exc, QuillCacheError):
                 log.exception("put of %s failed", key.block_hash)
-            self._refuse_put(conn, exc)
+            self._refuse_put(acks, exc)
             return
         with self._lock:
             self.blocks_received += 1
             self.bytes_received += n
-        conn.sendall(dataproto.encode_ack(landed, n, checksum))
+        acks.add(dataproto.encode_ack(landed, n, checksum))
 
-    def _refuse_put(self, conn: socket.socket, exc: BaseException) -> None:
+    def _refuse_put(self, acks: _Acks, exc: BaseException) -> None:
         with self._lock:
             self.puts_refused += 1
         log.debug("put refused: %s", exc)
-        conn.sendall(dataproto.encode_ack_error(dataproto.status_of(exc), str(exc)))
+        acks.add(dataproto.encode_ack_error(dataproto.status_of(exc), str(exc)))
+
+    def _count_acks(self, acks: int) -> None:
+        with self._lock:
+            self.acks_sent += acks
+            self.ack_writes += 1
 
     def _count_sent(self, nbytes: int) -> None:
         with self._lock:
