@@ -195,8 +195,7 @@ class _Acks:
         has decrypted, or bytes waiting on the socket) and fewer than ACKS_PER_WRITE
         are queued: the next request is read first."""
         if len(self._queued) < ACKS_PER_WRITE and (
-            (isinstance(self._conn, ssl.SSLSocket) and self._conn.pending())
-            or self._poll.poll(0)
+            (isinstance(self._conn, ssl.SSLSocket) and self._conn.pending()) or self._poll.poll(0)
         ):
             return
         self.flush()
