@@ -93,7 +93,11 @@ def test_plans_spread_over_the_replicas_and_a_stopped_one_costs_nothing():
 
 def test_a_hung_replica_is_passed_over_for_the_other_before_the_fallback():
     async def main():
-        async with gateway_setup(2, conductors=2, plan_stream=False) as s:
+        # A hung replica gets half the fallback's wait (1 s here, not the default 0.25 s,
+        # so the other replica's answers fit in the rest on a loaded machine).
+        async with gateway_setup(
+            2, conductors=2, plan_stream=False, plan_fallback_timeout_s=2.0
+        ) as s:
             a, b = s.replicas
             a.delay = lambda: 5.0  # reserves, then answers after 5 s
             started = time.monotonic()
