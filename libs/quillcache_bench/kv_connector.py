@@ -30,7 +30,6 @@ import argparse
 import json
 import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +44,7 @@ from quillcache_core.launch.cluster import LocalCluster
 
 MODES = ("recompute", "dram", "ssd", "peer")
 GOAL_DRAM_RATIO = 0.2
-LAYERS, HIDDEN = 8, 1024
+LAYERS, HIDDEN = vllm_env.BENCH_LAYERS, vllm_env.BENCH_HIDDEN
 MODEL = "bench"
 
 
@@ -77,25 +76,6 @@ class Access:
     def of(cls, cluster: LocalCluster, endpoints: dict) -> Access:
         engine_ssl, headers = as_gateway(None if cluster.insecure else cluster.certs_dir)
         return cls(engine_ssl, headers, operator_context(endpoints))
-
-
-def bench_model(env: vllm_env.VllmEnv) -> Path:
-    directory = vllm_env.model_dir().with_name(f"bench-llama-{LAYERS}x{HIDDEN}")
-    if not (directory / "config.json").exists():
-        print(f"building the benchmark model into {directory}", flush=True)
-        subprocess.run(
-            [
-                str(env.python),
-                str(vllm_env.TINY_MODEL_SCRIPT),
-                str(directory),
-                "--layers",
-                str(LAYERS),
-                "--hidden",
-                str(HIDDEN),
-            ],
-            check=True,
-        )
-    return directory
 
 
 def prompt(seed: int, words: int) -> str:
@@ -167,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     words = 1000 if args.quick else args.prompt_tokens
     repeats = 1 if args.quick else args.repeats
     env = vllm_env.ensure(log=lambda m: print(m, flush=True))
-    model_dir = bench_model(env)
+    model_dir = vllm_env.ensure_bench_model(env, log=lambda m: print(m, flush=True))
     # One prompt's KV: layers x (K, V) x hidden x 2 bytes a token; DRAM holds 1.5 of them.
     prompt_bytes = words * LAYERS * 2 * HIDDEN * 2
     with tempfile.TemporaryDirectory(prefix="qc-bench-connector-") as tmp:

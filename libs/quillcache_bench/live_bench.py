@@ -64,6 +64,8 @@ from dataclasses import replace
 from pathlib import Path
 from statistics import mean
 
+from quillcache_bench import live_capacity
+from quillcache_bench.capacity_workloads import WORKLOADS as CAPACITY_WORKLOADS
 from quillcache_bench.common import Progress, write_results
 from quillcache_bench.live_counters import (
     LOOKUPS,
@@ -104,6 +106,7 @@ from quillcache_bench.secure import tenant_context
 from quillcache_core.errors import InvalidArgument
 
 LOADS = ("light", "heavy")
+ALL_WORKLOADS = (*WORKLOADS, *CAPACITY_WORKLOADS)
 TENANTS = [f"tenant-{i}" for i in range(8)]
 # After a router's runs: what QuillCache's continued processes need to renew their leases
 # and connections before they are measured again.
@@ -131,7 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="short runs: under 6 minutes on 2 cores")
     p.add_argument("--engine", choices=("sim", "vllm"), default="sim", help="the engines")
-    p.add_argument("--engines", type=int, default=4, help="engines (default 4)")
+    p.add_argument(
+        "--engines", type=int, default=0, help="engines (default 4; 2 on the capacity workloads)"
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -139,8 +144,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="sim engines' compute time multiplier: 1.0 = the cost model's real time "
         "(45 us a prompt token, 80 us an output token); `quillcache up` uses 0.02",
     )
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    p.add_argument(
+        "--systems",
+        default="",
+        help=f"comma-separated systems (default {','.join(SYSTEMS)}; on the capacity "
+        f"workloads {','.join(live_capacity.SYSTEMS)}, with --quick "
+        f"{','.join(live_capacity.QUICK_SYSTEMS)})",
+    )
+    p.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated: {', '.join(WORKLOADS)}, or the capacity workloads "
+        f"{', '.join(CAPACITY_WORKLOADS)} (live_capacity: real vLLM, the working set "
+        "outgrowing the engines' caches)",
+    )
     p.add_argument("--loads", default=",".join(LOADS), help="comma-separated: light, heavy")
     p.add_argument("--light-rps", type=float, default=4.0, help="light load, requests/s")
     p.add_argument("--heavy-rps", type=float, default=24.0, help="heavy load, requests/s")
@@ -191,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "straight to the engines in turn, unmeasured (default: 30 with --engine vllm, "
         "whose first minutes are slow, else 0)",
     )
+    live_capacity.add_arguments(p)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--data-dir", default="", help="cluster data and logs (default: a temp dir)")
@@ -207,6 +225,10 @@ def _names(text: str, known, what: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if live_capacity.is_capacity(_names(args.workloads, ALL_WORKLOADS, "workloads")):
+        return live_capacity.main(args)
+    args.engines = args.engines or 4
+    args.systems = args.systems or ",".join(SYSTEMS)
     systems = _names(args.systems, SYSTEMS, "systems")
     workloads = _names(args.workloads, WORKLOADS, "workloads")
     loads = _names(args.loads, LOADS, "loads")
@@ -450,7 +472,7 @@ def _bypass_connector(data_dir: Path, bypass: bool) -> None:
 
 def _start_cluster(args, data_dir: Path):
     from quillcache_core.launch.cluster import ClusterError, LocalCluster
-    from quillcache_core.launch.cluster import build_parser as up_parser
+    from quillcache_core.launch.up import build_parser as up_parser
 
     args.conductors = args.conductors or int(up_parser().get_default("conductors"))
 

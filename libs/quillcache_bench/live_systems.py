@@ -218,6 +218,7 @@ class EngineCounters:
     prompt_tokens: float = 0.0
     cached_tokens: float = 0.0  # prompt tokens not computed: hits and fetched blocks
     fetched_blocks: float = 0.0  # blocks loaded from a store (sim engines only)
+    external_tokens: float = 0.0  # prompt tokens vLLM took from a KV connector (vLLM only)
 
     def minus(self, other: EngineCounters) -> EngineCounters:
         return EngineCounters(
@@ -225,6 +226,7 @@ class EngineCounters:
             self.prompt_tokens - other.prompt_tokens,
             self.cached_tokens - other.cached_tokens,
             self.fetched_blocks - other.fetched_blocks,
+            self.external_tokens - other.external_tokens,
         )
 
 
@@ -251,6 +253,7 @@ class Engine:
             metric_sum(text, "vllm:request_success_total"),
             metric_sum(text, "vllm:prompt_tokens_total"),
             metric_sum(text, "vllm:prefix_cache_hits_total"),
+            external_tokens=metric_sum(text, "vllm:external_prefix_cache_hits_total"),
         )
 
     def settings(self, changes: dict | None = None) -> dict:

@@ -434,33 +434,33 @@ class QuillCacheConnector(KVConnectorBase_V1):
                 self.pool.counters.requests_loaded_async += 1
 
     def _load(self, transfers: list[BlockTransfer], sources: dict[str, str]) -> set[int]:
-        """Load and inject `transfers`; the engine blocks that failed."""
-        keys = [key for transfer in transfers for key in transfer.keys]
-        found = self.pool.get_many(keys, sources)
-        failed, at = set(), 0
-        for transfer in transfers:
-            payloads = found[at : at + len(transfer.keys)]
-            at += len(transfer.keys)
-            if any(p is None for p in payloads) or not self._inject(transfer.block_id, payloads):
-                failed.add(transfer.block_id)
-        return failed
+        """Load `transfers` straight into the paged cache; the engine blocks that failed.
 
-    def _inject(self, block_id: int, payloads: list[bytes | None]) -> bool:
-        """Copy one engine block's bytes into every layer; False if they do not fit."""
-        for part, payload in enumerate(payloads):
-            raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            offset = 0
-            for _, tensor in self._layers:
-                target = self._slice(tensor, block_id, part)
-                size = target.numel() * target.element_size()
-                if offset + size > raw.numel():
-                    return False
-                source = raw[offset : offset + size].view(target.dtype).view(target.shape)
-                target.copy_(source)
-                offset += size
-            if offset != raw.numel():
+        Each store block is copied into its layers' slices as it arrives (`Pool.load_into`:
+        received into one reused buffer), so a load allocates nothing per block and its
+        bytes are copied once after the socket."""
+        where = [(t.block_id, part) for t in transfers for part in range(len(t.keys))]
+        keys = [key for t in transfers for key in t.keys]
+
+        def sink(i: int, view: memoryview) -> bool:
+            return self._inject(*where[i], view)
+
+        taken = self.pool.load_into(keys, sink, sources)
+        return {block_id for (block_id, _), ok in zip(where, taken, strict=True) if not ok}
+
+    def _inject(self, block_id: int, part: int, payload: memoryview) -> bool:
+        """Copy one store block's bytes into every layer's slice of engine block
+        `block_id`; False (nothing trusted) if they are not exactly that size."""
+        raw = torch.frombuffer(payload, dtype=torch.uint8)
+        offset = 0
+        for _, tensor in self._layers:
+            target = self._slice(tensor, block_id, part)
+            size = target.numel() * target.element_size()
+            if offset + size > raw.numel():
                 return False
-        return True
+            target.copy_(raw[offset : offset + size].view(target.dtype).view(target.shape))
+            offset += size
+        return offset == raw.numel()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every layer was loaded in start_load_kv
@@ -478,11 +478,17 @@ class QuillCacheConnector(KVConnectorBase_V1):
         blocks = []
         for transfer in meta.saves:
             for part, key in enumerate(transfer.keys):
-                pieces = [
-                    self._slice(t, transfer.block_id, part).contiguous().view(torch.uint8)
-                    for _, t in self._layers
-                ]
-                blocks.append((key, torch.cat([p.flatten() for p in pieces]).numpy().tobytes()))
+                # One copy out of the paged cache, into the buffer the writer sends.
+                slices = [self._slice(t, transfer.block_id, part) for _, t in self._layers]
+                out = torch.empty(
+                    sum(x.numel() * x.element_size() for x in slices), dtype=torch.uint8
+                )
+                offset = 0
+                for piece in slices:
+                    size = piece.numel() * piece.element_size()
+                    out[offset : offset + size].view(piece.dtype).view(piece.shape).copy_(piece)
+                    offset += size
+                blocks.append((key, memoryview(out.numpy())))
         self.pool.counters.copy_out_seconds += time.perf_counter() - started
         self.pool.save_later(blocks)
         if meta.flush and not self.pool.flush(self.pool.timeout_s):

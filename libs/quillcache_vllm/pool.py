@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -33,6 +35,7 @@ from quillcache_core.errors import NodeUnavailable, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store.client import StoreClient
 from quillcache_store.datapath.batch import BlockBatches
+from quillcache_store.datapath.conn import UNIX_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,24 @@ class PoolCounters:
     blocks_loaded_from_peers: int = 0  # straight from the data port of the plan's peer
 
 
+def _is_socket(path: str) -> bool:
+    """Whether `path` is a Unix socket on this host (a node's data socket named in its
+    Stats is reachable only from the node's own host)."""
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _offer(sink: Callable[[int, memoryview], bool], index: int, view: memoryview) -> bool:
+    """Whether `sink` took a block fetched over gRPC (a sink that fails has not)."""
+    try:
+        return bool(sink(index, view))
+    except Exception:
+        logger.exception("a loaded block could not be used")
+        return False
+
+
 class Pool:
     def __init__(
         self,
@@ -74,8 +95,11 @@ class Pool:
         timeout_s: float = 10.0,
         max_pending_bytes: int = 256 << 20,
         tls=None,
+        local_sockets: bool = True,
     ) -> None:
         self.store_address = store_address
+        # A node's Unix socket is used when it is on this host (`local_sockets`).
+        self.local_sockets = local_sockets
         self.timeout_s = timeout_s
         self.max_pending_bytes = max_pending_bytes
         self.counters = PoolCounters()
@@ -129,31 +153,56 @@ class Pool:
         `sources` maps a block hash to the node, by gRPC address, the plan names), None
         where it is missing, corrupt or unreachable. Checksums are verified by the store
         on the way out of its tiers and by the client on the wire."""
-        started = time.perf_counter()
-        try:
-            found = self._call(self._load(list(keys), dict(sources or {})))
-        except TimeoutError:
-            found = [None] * len(keys)
-        loaded = [b for b in found if b is not None]
-        self.counters.blocks_loaded += len(loaded)
-        self.counters.bytes_loaded += sum(map(len, loaded))
-        self.counters.blocks_load_failed += len(found) - len(loaded)
-        self.counters.load_seconds += time.perf_counter() - started
+        found: list[bytes | None] = [None] * len(keys)
+
+        def keep(i: int, view: memoryview) -> bool:
+            found[i] = bytes(view)
+            return True
+
+        self.load_into(keys, keep, sources)
         return found
 
-    async def _load(self, keys: list[KvBlockKey], sources: dict[str, str]) -> list[bytes | None]:
+    def load_into(
+        self,
+        keys: Sequence[KvBlockKey],
+        sink: Callable[[int, memoryview], bool],
+        sources: Mapping[str, str] | None = None,
+    ) -> list[bool]:
+        """Hand each block, as it arrives intact, to `sink(index in keys, bytes)`, which
+        copies what it needs (the view is reused after the call) and says whether it
+        could; per key whether it was delivered. Where from: as `get_many`. Runs the
+        sink on a worker thread of this pool's loop."""
+        started = time.perf_counter()
+        sizes = [0] * len(keys)
+
+        def counted(i: int, view: memoryview) -> bool:
+            sizes[i] = view.nbytes
+            return sink(i, view)
+
+        try:
+            taken = self._call(self._load(list(keys), counted, dict(sources or {})))
+        except TimeoutError:
+            taken = [False] * len(keys)
+        loaded = sum(taken)
+        self.counters.blocks_loaded += loaded
+        self.counters.bytes_loaded += sum(n for n, ok in zip(sizes, taken, strict=True) if ok)
+        self.counters.blocks_load_failed += len(keys) - loaded
+        self.counters.load_seconds += time.perf_counter() - started
+        return taken
+
+    async def _load(self, keys: list[KvBlockKey], sink, sources: dict[str, str]) -> list[bool]:
         """What the node's data port holds in one request; what the plan names on a peer
         node, from that node's data port in one request per node; the rest (or all, the
         ports unreachable) one gRPC Get each, with `allow_remote`."""
-        found: list[bytes | None] = [None] * len(keys)
+        taken = [False] * len(keys)
         loop = asyncio.get_running_loop()
         address = await self._port_of(self.store_address)
         if address:
-            found = await loop.run_in_executor(None, self._batches.get_many, address, keys)
+            taken = await loop.run_in_executor(None, self._batches.get_each, address, keys, sink)
             self.counters.data_port_batches += 1
         by_peer: dict[str, list[int]] = {}
-        for i, payload in enumerate(found):
-            peer = sources.get(keys[i].block_hash) if payload is None else None
+        for i, done in enumerate(taken):
+            peer = None if done else sources.get(keys[i].block_hash)
             if peer and peer != self.store_address:
                 by_peer.setdefault(peer, []).append(i)
         for peer, indices in by_peer.items():
@@ -161,11 +210,15 @@ class Pool:
             if not port:
                 continue
             wanted = [keys[i] for i in indices]
-            got = await loop.run_in_executor(None, self._batches.get_many, port, wanted)
+
+            def to_sink(j: int, view: memoryview, indices=indices) -> bool:
+                return sink(indices[j], view)
+
+            got = await loop.run_in_executor(None, self._batches.get_each, port, wanted, to_sink)
             self.counters.data_port_batches += 1
-            for i, payload in zip(indices, got, strict=True):
-                if payload is not None:
-                    found[i] = payload
+            for i, done in zip(indices, got, strict=True):
+                if done:
+                    taken[i] = True
                     self.counters.blocks_loaded_from_peers += 1
 
         async def fetch(key: KvBlockKey) -> bytes | None:
@@ -176,15 +229,18 @@ class Pool:
                 logger.warning("pool load of %s failed: %s", key.block_hash, exc)
                 return None
 
-        missing = [i for i, payload in enumerate(found) if payload is None]
+        missing = [i for i, done in enumerate(taken) if not done]
         fetched = await asyncio.gather(*(fetch(keys[i]) for i in missing))
         for i, payload in zip(missing, fetched, strict=True):
-            found[i] = payload
-        return found
+            if payload is not None:
+                view = memoryview(payload).cast("B")
+                taken[i] = await loop.run_in_executor(None, _offer, sink, i, view)
+        return taken
 
     async def _port_of(self, address: str) -> str:
-        """A node's block-data port, this node's or a peer's ("" if it has none or cannot
-        be asked now)."""
+        """A node's block-data address, this node's or a peer's: its Unix socket when
+        that is on this host (`unix:PATH`: no TLS to pay on the engine's own blocks),
+        else its TCP port ("" if it has none or cannot be asked now)."""
         known = self._ports.get(address)
         if known is not None and (known[0] or time.monotonic() < known[1]):
             return known[0]
@@ -195,7 +251,11 @@ class Pool:
             self._client if own else StoreClient(address, timeout_s=self.timeout_s, tls=self._tls)
         )
         try:
-            port = str((await client.stats()).get("data_address", ""))
+            stats = await client.stats()
+            port = str(stats.get("data_address", ""))
+            local = str(stats.get("data_socket", ""))
+            if local and self.local_sockets and _is_socket(local):
+                port = UNIX_PREFIX + local
         except QuillCacheError as exc:
             logger.warning("cannot ask %s for its data port: %s", address, exc)
             port = ""

@@ -24,6 +24,12 @@ class StoreConfig(TlsSettings):
         "printed on the READY line and announced in the registry; -1 = off: peers fall "
         "back to gRPC)",
     )
+    data_socket: str = opt(
+        "auto",
+        "Unix socket of the block-data protocol for clients on this host running as this "
+        "user (engines loading their own node's blocks, no TLS): a path, 'auto' (a new "
+        "private directory under the system's temp dir) or 'off'; announced in Stats",
+    )
     advertise_host: str = opt(
         "", "host other nodes reach this one at (default: --host, or 127.0.0.1 for 0.0.0.0)"
     )

@@ -7,6 +7,8 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,6 +77,7 @@ class StoreServer:
         self.servicer: StoreServicer | None = None
         self.server: grpc.aio.Server | None = None
         self.data_server: BlockDataServer | None = None
+        self._socket_dir = ""  # the private directory of an 'auto' data socket
         self.puller: BlockPuller | None = None
         self.grpc_port = 0
         self.metrics_port = 0
@@ -151,6 +154,7 @@ class StoreServer:
                 io_timeout_s=cfg.rpc_timeout_s,
                 max_block_bytes=cfg.max_block_bytes,
                 tls=self.tls,
+                local_socket=self._data_socket_path(),
             )
             self.data_port = self.data_server.start()
         self.pooled = PooledStore(
@@ -175,6 +179,7 @@ class StoreServer:
             extra_corrupt=lambda: self._ssd_corrupt_on_open,
             puller=self.puller,
             data_address=self.data_address,
+            data_socket=self.data_server.local_socket if self.data_server else "",
             pull_streams=cfg.pull_streams,
         )
         self._register_metrics()
@@ -272,6 +277,16 @@ class StoreServer:
     @property
     def address(self) -> str:
         return f"{self.config.advertised_host}:{self.grpc_port}"
+
+    def _data_socket_path(self) -> str:
+        """Where the block-data Unix socket listens ("" for none)."""
+        wanted = self.config.data_socket
+        if wanted in ("", "off"):
+            return ""
+        if wanted != "auto":
+            return wanted
+        self._socket_dir = tempfile.mkdtemp(prefix="quillcache-store-")  # mode 0700
+        return os.path.join(self._socket_dir, "data.sock")
 
     @property
     def data_address(self) -> str:
@@ -372,8 +387,15 @@ class StoreServer:
             )
             m.gauge(
                 "store_data_connections_refused_total",
-                "block-data connections refused (no certificate of an allowed role)",
+                "block-data connections refused (no certificate of an allowed role, or a "
+                "Unix socket peer of another user)",
                 read=lambda: [((), data_server.stats()["connections_refused"])],
+            )
+            m.gauge(
+                "store_data_local_connections_total",
+                "block-data connections accepted on the node's Unix socket (clients on "
+                "this host, no TLS)",
+                read=lambda: [((), data_server.stats()["local_connections"])],
             )
             m.gauge(
                 "store_data_put_ack_writes_total",
@@ -434,6 +456,8 @@ class StoreServer:
             await self.server.stop(grace=1.0)
         if self.data_server is not None:
             self.data_server.stop()
+        if self._socket_dir:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         if self.puller is not None:
             self.puller.close()
         for task in self._tasks:

@@ -107,6 +107,7 @@ class StoreServicer:
         extra_corrupt: Callable[[], int] = lambda: 0,
         puller: BlockPuller | None = None,
         data_address: str = "",
+        data_socket: str = "",
         pull_streams: int = 2,
     ) -> None:
         self.node_id = node_id
@@ -120,6 +121,7 @@ class StoreServicer:
         self._extra_corrupt = extra_corrupt
         self.puller = puller
         self.data_address = data_address
+        self.data_socket = data_socket
         self.pull_streams = pull_streams
         self.puts = {CacheTier.CPU_DRAM: 0, CacheTier.LOCAL_SSD: 0}
         self.put_bytes = 0
@@ -433,6 +435,7 @@ class StoreServicer:
             corrupt_blocks=s["corrupt"] + self._extra_corrupt(),
             peer_fetches=self.pooled.peer_fetches,
             data_address=self.data_address,
+            data_socket=self.data_socket,
         )
 
 

@@ -27,10 +27,12 @@ def lone_store(tmp_path):
         yield store
 
 
-@pytest.mark.parametrize("path", ["data", "grpc"])
+@pytest.mark.parametrize("path", ["socket", "data", "grpc"])
 def test_saves_and_loads_of_a_step_are_one_batch_on_the_data_port(fleet, path):
+    """`socket`: the node's Unix socket (this host, no TLS); `data`: its TLS data port
+    (as from another host); `grpc`: a node without a data port."""
     conductor = fleet.conductor()
-    a = fleet.store("store-a", *([] if path == "data" else ["--data-port", "-1"]))
+    a = fleet.store("store-a", *(["--data-port", "-1"] if path == "grpc" else []))
     b = fleet.store("store-b")
     fleet.transfer()
     keys = [block_key(i, chain="step") for i in range(24)]
@@ -42,14 +44,16 @@ def test_saves_and_loads_of_a_step_are_one_batch_on_the_data_port(fleet, path):
         await client.put(peer_key, peer_payload)
 
     run(_with(b.grpc_address, put_on_b))
-    pool = Pool(a.grpc_address, tls=tls("engine"))
+    pool = Pool(a.grpc_address, tls=tls("engine"), local_sockets=path == "socket")
     try:
         assert pool.save_later(list(zip(keys, payloads, strict=True))) == 24
         assert pool.flush(20.0)
         assert pool.counters.blocks_saved == 24
         assert pool.counters.blocks_save_dropped == 0
-        if path == "data":
+        if path != "grpc":
             assert a.metric("quillcache_store_data_put_blocks_total") == 24
+            local = a.metric("quillcache_store_data_local_connections_total")
+            assert (local > 0) == (path == "socket")
         else:
             assert _puts(a) == 24  # one gRPC Put each
         # the store holds them, byte for byte, as any other client reads them
@@ -72,7 +76,7 @@ def test_saves_and_loads_of_a_step_are_one_batch_on_the_data_port(fleet, path):
     finally:
         pool.close()
     # one save batch and one load request on the data port, or none without one
-    assert pool.counters.data_port_batches == (2 if path == "data" else 0)
+    assert pool.counters.data_port_batches == (0 if path == "grpc" else 2)
     assert pool.counters.blocks_loaded_from_peers == 0  # no plan named the peer
     assert a.metric("quillcache_store_peer_fetches_total") == 1
 
@@ -154,3 +158,38 @@ def test_a_lookup_at_an_unreachable_store_node_counts_nothing_held(tmp_path):
         assert pool.counters.lookups == 2
     finally:
         pool.close()
+
+
+def test_another_user_cannot_use_a_nodes_data_socket(lone_store):
+    """The Unix socket carries no TLS: only a process of the store's own user gets in
+    (the socket file is the owner's; the node checks the peer's credentials too)."""
+    import os
+    import socket
+    import stat
+
+    path = run(_with(lone_store.grpc_address, lambda c: c.stats()))["data_socket"]
+    assert path and stat.S_ISSOCK(os.stat(path).st_mode)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    if os.getuid() != 0:
+        pytest.skip("switching to another user needs root")
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # as nobody: connect and report the outcome
+        code = b"?"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(5)
+            try:
+                sock.connect(path)
+                code = b"connected"
+            except PermissionError:
+                code = b"denied"
+        finally:
+            os.write(write, code)
+            os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    assert os.read(read, 64) == b"denied"

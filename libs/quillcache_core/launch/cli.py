@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 # name -> (module with a `main(argv) -> int`, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": (
-        "quillcache_core.launch.cluster",
+        "quillcache_core.launch.up",
         "the local cluster: etcd, conductor, stores, transfer, sim engines, gateway",
     ),
     "conductor": (

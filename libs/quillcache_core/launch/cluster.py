@@ -16,16 +16,13 @@ after 30 s up), and each restart is logged; see `quillcache_core.launch.supervis
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import re
 import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -85,13 +82,16 @@ class LocalCluster:
         log=print,
         engine_kind: str = "sim",
         vllm_model_dir: Path | None = None,
+        engine_kv_tokens: int | None = None,
         engine_options: dict[int, dict] | None = None,
         insecure: bool = False,
         supervise: bool = False,
         conductors: int = 1,
     ) -> None:
         """`engine_kind` "vllm" starts real vLLM servers from the cached environment
-        (`vllm_env`) serving `vllm_model_dir` (default: the tiny model) as `model`.
+        (`vllm_env`) serving `vllm_model_dir` (default: the tiny model) as `model`,
+        each with a KV cache of `engine_kv_tokens` tokens (None: vLLM's KV space) and
+        the longest context that fits (`vllm_engine.engine_kv`).
         `engine_options[i]` overrides engine i: "model" (served name), "vllm_args"
         (extra server flags), "tokenizer" (its record's), "events_port", and
         "kv_events_endpoint" (registered instead of the engine's own, e.g. a proxy),
@@ -109,6 +109,10 @@ class LocalCluster:
             raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
         if engines < 1 or stores < 1 or conductors < 1:
             raise ValueError("a cluster needs at least one engine, store and conductor")
+        if engine_kv_tokens is not None:
+            if engine_kind != "vllm":
+                raise ValueError("--engine-kv-tokens is for --engine vllm (sim: --hbm-blocks)")
+            vllm_engine.kv_cache_blocks(engine_kv_tokens)
         self.conductors = conductors
         self.data_dir = Path(data_dir)
         self.engines = engines
@@ -124,6 +128,7 @@ class LocalCluster:
         self.log = log
         self.engine_kind = engine_kind
         self.vllm_model_dir = vllm_model_dir
+        self.engine_kv_tokens = engine_kv_tokens
         self.engine_options = engine_options or {}
         self.etcd: EtcdServer | None = None
         self.children: list[Child] = []
@@ -345,12 +350,18 @@ class LocalCluster:
         connector_metrics = vllm_engine.free_port()
         scheduler_metrics = vllm_engine.free_port()
         name = f"engine-{i}"
+        try:
+            kv = vllm_engine.engine_kv(vllm_engine.ModelKv.of(model_dir), self.engine_kv_tokens)
+        except (OSError, ValueError) as exc:
+            raise ClusterError(f"{name}: cannot size the KV cache of {model_dir}: {exc}") from exc
         argv = env.serve_command() + vllm_engine.serve_args(
             model_dir,
             served,
             port=port,
             events_port=events_port,
             replay_port=replay_port,
+            max_model_len=kv.max_model_len,
+            kv_blocks=kv.blocks,
             connector=None
             if options.get("connector") is False
             else vllm_engine.connector_extra(
@@ -375,7 +386,7 @@ class LocalCluster:
             "vllm",
             vllm_engine.niced(argv),
             self.data_dir / "logs" / f"{name}.log",
-            env=vllm_engine.serve_env(tls, cores=cores),
+            env=vllm_engine.serve_env(tls, cores=cores, kv_space_gib=kv.kv_space_gib),
             cores=tuple(cores),
         )
         child.fields = {"http": f"{scheme}://127.0.0.1:{port}"}
@@ -394,6 +405,7 @@ class LocalCluster:
             "--model": served,
             "--tokenizer": options.get("tokenizer", str(model_dir)),
             "--block-size": str(vllm_engine.VLLM_CPU_BLOCK_SIZE),
+            "--capacity-bytes": str(kv.capacity_bytes),
             "--kv-events-endpoint": registered_events,
             "--kv-replay-endpoint": replay,
             "--locality-domain": f"rack-{(i % self.stores) % 2}",
@@ -555,145 +567,3 @@ def terminate_group(proc: subprocess.Popen | None, grace_s: float) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=5)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quillcache up",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--data-dir",
-        default="",
-        help="where logs, etcd, SSD tiers and the index live "
-        "(default: a new temp dir, removed on exit)",
-    )
-    parser.add_argument("--endpoints-file", default="", help="write the endpoints as JSON here")
-    parser.add_argument("--engines", type=int, default=2, help="engines to start")
-    parser.add_argument(
-        "--engine",
-        choices=("sim", "vllm"),
-        default="sim",
-        help="sim engines, or real vLLM servers on CPU (needs `quillcache vllm-env` first)",
-    )
-    parser.add_argument(
-        "--model",
-        default="",
-        help="with --engine vllm: the model directory to serve (default: the tiny model "
-        "`quillcache vllm-env` builds)",
-    )
-    parser.add_argument(
-        "--engine-roles",
-        default="",
-        help="engines' disaggregation roles in order, e.g. 'prefill,decode' (default: both)",
-    )
-    parser.add_argument("--stores", type=int, default=2, help="store nodes")
-    parser.add_argument(
-        "--hbm-blocks", type=int, default=4096, help="KV blocks each sim engine's GPU holds"
-    )
-    parser.add_argument(
-        "--time-scale",
-        type=float,
-        default=0.02,
-        help="sim engines' compute time multiplier (1.0 = the cost model's real time)",
-    )
-    parser.add_argument("--policy", default="quillcache", help="the conductor's routing policy")
-    parser.add_argument(
-        "--conductors",
-        type=int,
-        default=2,
-        help="conductor replicas (each sees every store's residency and engine's events, "
-        "and counts the others' reservations as its own; the gateway spreads plans over "
-        "them and retries on another at once when one fails)",
-    )
-    parser.add_argument(
-        "--lease-ttl-s", type=float, default=3.0, help="registry lease TTL of every node"
-    )
-    parser.add_argument(
-        "--no-supervise",
-        dest="supervise",
-        action="store_false",
-        help="do not restart processes that die (by default each is started again on "
-        "its address, with backoff, and the restart logged)",
-    )
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="development only: plaintext everywhere, no certificates, no etcd users, no "
-        "role checks (the default is mutual TLS with certificates made in <data-dir>/certs)",
-    )
-    return parser
-
-
-def engine_roles(spec: str, engines: int) -> dict[int, dict]:
-    """`--engine-roles prefill,decode` as engine_options; SystemExit on a bad role."""
-    roles = [r.strip() for r in spec.split(",") if r.strip()]
-    if len(roles) > engines or any(r not in ("prefill", "decode", "both") for r in roles):
-        raise SystemExit(f"--engine-roles: at most {engines} of prefill/decode/both: {spec!r}")
-    return {i: {"role": role} for i, role in enumerate(roles)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    with contextlib.ExitStack() as stack:
-        data_dir = args.data_dir or stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="quillcache-")
-        )
-        cluster = LocalCluster(
-            Path(data_dir),
-            engines=args.engines,
-            stores=args.stores,
-            hbm_blocks=args.hbm_blocks,
-            time_scale=args.time_scale,
-            policy=args.policy,
-            lease_ttl_s=args.lease_ttl_s,
-            engine_kind=args.engine,
-            model="sim-model" if args.engine == "sim" else "tiny",
-            vllm_model_dir=Path(args.model) if args.model else None,
-            insecure=args.insecure,
-            supervise=args.supervise,
-            conductors=args.conductors,
-            engine_options=engine_roles(args.engine_roles, args.engines),
-            log=lambda *parts: print(*parts, flush=True),
-        )
-        print(f"starting the local cluster in {data_dir}", flush=True)
-        try:
-            endpoints = cluster.start()
-        except ClusterError as exc:
-            print(f"quillcache up: {exc}", file=sys.stderr)
-            return 1
-        try:
-            text = json.dumps(endpoints, indent=2)
-            if args.endpoints_file:
-                Path(args.endpoints_file).write_text(text)
-            print("\nQuillCache is up:\n" + text, flush=True)
-            key = endpoints["api_keys"][DEMO_TENANTS[0]]
-            cacert = f"--cacert {endpoints['tls']['ca']} " if endpoints["tls"] else ""
-            print(
-                f"\ntry:  curl -N {cacert}{endpoints['gateway_url']}/v1/chat/completions "
-                f"-H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-                f'-d \'{{"model": "{cluster.model}", "stream": true, "messages": '
-                '[{"role": "user", "content": "Hello"}]}\'',
-                flush=True,
-            )
-            print("Ctrl-C stops everything.", flush=True)
-            while not stop.wait(1.0):
-                if cluster.supervisor is not None:
-                    continue  # it restarts what dies, and says so
-                for child in cluster.dead_children():
-                    print(
-                        f"warning: {child.name} exited (code {child.proc.returncode}); "
-                        f"log: {child.log_path}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    cluster.children.remove(child)
-        finally:
-            print("stopping...", flush=True)
-            cluster.stop()
-            print("stopped.", flush=True)
-    return 0

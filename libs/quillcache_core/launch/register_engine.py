@@ -55,6 +55,7 @@ class RegisterEngineConfig(TlsSettings):
         "own); a gateway with that directory tokenizes locally, else asks the engine",
     )
     block_size: int = opt(0, "the engine's KV block size in tokens (vLLM's --block-size)")
+    capacity_bytes: int = opt(0, "the bytes its KV cache holds (0 = not said)")
     kv_events_endpoint: str = opt("", "its ZMQ KV-event publisher, tcp://host:port")
     kv_replay_endpoint: str = opt("", "its ZMQ replay socket, tcp://host:port")
     locality_domain: str = opt("default", "the rack or zone it runs in")
@@ -85,8 +86,10 @@ class RegisterEngineConfig(TlsSettings):
         scheme = "http://" if self.insecure else "https://"
         if not self.base_url.startswith(scheme):
             raise InvalidArgument(f"--base-url must be {scheme}host:port")
-        if self.block_size < 0 or self.lease_ttl_s <= 0:
-            raise InvalidArgument("--block-size must be >= 0 and --lease-ttl-s positive")
+        if self.block_size < 0 or self.capacity_bytes < 0 or self.lease_ttl_s <= 0:
+            raise InvalidArgument(
+                "--block-size and --capacity-bytes must be >= 0 and --lease-ttl-s positive"
+            )
 
     def record(self, start_time_s: float) -> NodeRecord:
         return NodeRecord(
@@ -101,6 +104,7 @@ class RegisterEngineConfig(TlsSettings):
             tokenizer=self.tokenizer,
             store_node=self.store_node,
             block_size=self.block_size,
+            capacity_bytes=self.capacity_bytes,
             start_time_s=start_time_s,
             role=self.role,
             extra={"engine_kind": "external"},

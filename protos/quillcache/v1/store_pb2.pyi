@@ -92,7 +92,7 @@ class StoreStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StoreStatsResponse(_message.Message):
-    __slots__ = ("node_id", "dram_bytes", "dram_blocks", "dram_capacity_bytes", "ssd_bytes", "ssd_blocks", "ssd_capacity_bytes", "hits", "misses", "demotions", "evictions", "corrupt_blocks", "peer_fetches", "data_address")
+    __slots__ = ("node_id", "dram_bytes", "dram_blocks", "dram_capacity_bytes", "ssd_bytes", "ssd_blocks", "ssd_capacity_bytes", "hits", "misses", "demotions", "evictions", "corrupt_blocks", "peer_fetches", "data_address", "data_socket")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class StoreStatsResponse(_message.Message):
     CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEER_FETCHES_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     dram_bytes: int
     dram_blocks: int
@@ -121,7 +122,8 @@ class StoreStatsResponse(_message.Message):
     corrupt_blocks: int
     peer_fetches: int
     data_address: str
-    def __init__(self, node_id: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., peer_fetches: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
+    data_socket: str
+    def __init__(self, node_id: _Optional[str] = ..., dram_bytes: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., dram_capacity_bytes: _Optional[int] = ..., ssd_bytes: _Optional[int] = ..., ssd_blocks: _Optional[int] = ..., ssd_capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., demotions: _Optional[int] = ..., evictions: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., peer_fetches: _Optional[int] = ..., data_address: _Optional[str] = ..., data_socket: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("source_node", "source_data_address", "keys", "tier", "durable", "max_batch_results")

@@ -15,7 +15,8 @@ time from a shared `DataConnections`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
@@ -27,6 +28,8 @@ from quillcache_store.datapath.put import read_ack_rest
 from quillcache_store.datapath.server import drain, recv_exactly, send_parts
 
 __all__ = ["BlockBatches"]
+
+logger = logging.getLogger(__name__)
 
 _IDLE_PER_ADDRESS = 4
 # Puts sent before their acks are read: acks are 28 bytes, so the store's send buffer
@@ -109,35 +112,63 @@ class BlockBatches:
     def get_many(self, address: str, keys: Sequence[KvBlockKey]) -> list[bytes | None]:
         """The blocks' bytes from the node whose data port is `address` (None for one it
         does not hold, or that arrived damaged)."""
-        out: list[bytes | None] = []
-        for start in range(0, len(keys), dataproto.MAX_REQUEST_KEYS):
-            out += self._get_part(address, list(keys[start : start + dataproto.MAX_REQUEST_KEYS]))
+        out: list[bytes | None] = [None] * len(keys)
+
+        def keep(i: int, view: memoryview) -> bool:
+            out[i] = bytes(view)
+            return True
+
+        self.get_each(address, keys, keep)
         return out
 
-    def _get_part(self, address: str, keys: list[KvBlockKey]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def get_each(
+        self, address: str, keys: Sequence[KvBlockKey], sink: Callable[[int, memoryview], bool]
+    ) -> list[bool]:
+        """Hand each block the node holds, intact, to `sink(index in keys, its bytes)`
+        as it arrives; per key whether the sink took it (a sink returns False for bytes
+        it cannot use). The view is valid only during the call: the blocks are received
+        into one buffer, reused, so a load costs no allocation per block and touches no
+        new pages."""
+        taken = [False] * len(keys)
+        for start in range(0, len(keys), dataproto.MAX_REQUEST_KEYS):
+            part = list(keys[start : start + dataproto.MAX_REQUEST_KEYS])
+            self._get_part(address, part, start, sink, taken)
+        return taken
+
+    def _get_part(self, address, keys, first, sink, taken) -> None:
         sock = None
+        scratch = bytearray()
         try:
             request = dataproto.encode_request(keys)
             sock, _ = self._conns.take(address)
             sock.sendall(request)
             head = memoryview(bytearray(dataproto.BLOCK_HEADER.size))
-            for _key in keys:
+            for i in range(len(keys)):
                 if recv_exactly(sock, head) < head.nbytes:
                     raise NodeUnavailable(f"data port {address} closed the connection")
                 block = dataproto.decode_block_header(head, _MAX_BLOCK_BYTES)
                 if block.message_len:
                     drain(sock, block.message_len)
                 if block.status != dataproto.STATUS_OK:
-                    out.append(None)
                     continue
-                data = bytearray(block.payload_len)
-                if recv_exactly(sock, memoryview(data)) < block.payload_len:
+                if len(scratch) < block.payload_len:
+                    scratch = bytearray(block.payload_len)
+                view = memoryview(scratch)[: block.payload_len]
+                if recv_exactly(sock, view) < block.payload_len:
                     raise NodeUnavailable(f"data port {address} closed inside a block")
-                out.append(bytes(data) if payload_checksum(data) == block.checksum else None)
+                if payload_checksum(view) == block.checksum:
+                    taken[first + i] = _deliver(sink, first + i, view)
         except (OSError, ConnectionError, QuillCacheError, InvalidArgument):
             if sock is not None:
                 sock.close()
-            return out + [None] * (len(keys) - len(out))
+            return
         self._conns.give_back(address, sock)
-        return out
+
+
+def _deliver(sink: Callable[[int, memoryview], bool], index: int, view: memoryview) -> bool:
+    """Whether `sink` took the block; a sink that fails has not (the stream goes on)."""
+    try:
+        return bool(sink(index, view))
+    except Exception:
+        logger.exception("a received block could not be used")
+        return False

@@ -4,6 +4,10 @@ Shared by the puller (peer fetch) and the pusher (puts): a few idle sockets per
 address, handed out one caller at a time; `take` says whether the socket was reused,
 so a caller can replace, once, a reused one that turns out to have been closed by a
 store that restarted. Thread-safe.
+
+An address is a data port's `host:port` (TLS when the connections have certificates)
+or `unix:PATH`, a node's Unix socket on this host (no TLS: the node checks that the
+client runs as its own user).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import threading
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
 from quillcache_core.security.tls import Tls
 from quillcache_store.datapath.server import tune_socket
+
+UNIX_PREFIX = "unix:"  # an address naming a node's Unix socket, not a host:port
 
 
 class DataConnections:
@@ -34,6 +40,8 @@ class DataConnections:
         self._closed = False
 
     def connect(self, address: str) -> socket.socket:
+        if address.startswith(UNIX_PREFIX):
+            return self._connect_unix(address[len(UNIX_PREFIX) :])
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise InvalidArgument(f"data address {address!r} is not host:port")
@@ -45,6 +53,17 @@ class DataConnections:
                 sock = self._ssl.wrap_socket(sock)
         except OSError as exc:
             raise NodeUnavailable(f"cannot connect to data port {address}: {exc}") from None
+        tune_socket(sock, self.io_timeout_s)
+        return sock
+
+    def _connect_unix(self, path: str) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.connect_timeout_s)
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            raise NodeUnavailable(f"cannot connect to data socket {path}: {exc}") from None
         tune_socket(sock, self.io_timeout_s)
         return sock
 
