@@ -10,7 +10,8 @@ engines' KV capacity, in tokens), with Poisson arrivals at the requested request
   W is the instruction once, every document and every question. The questions are
   shuffled, so two questions on one document are typically about G requests apart.
 - capacity-chat (LMCache's multi-round QA shape): U users of R rounds after one shared
-  system prompt; a session per user, whose turns the driver sends as a growing
+  system prompt, each user's first round opening with a long context of their own
+  (2,000-4,000 tokens: their history); a session per user, whose turns the driver sends as a growing
   conversation with the engine's real answers. W is the system prompt once plus every
   user's final history, its answers counted at max_tokens. The users' rounds interleave
   in a random order that keeps each user's rounds in order.
@@ -62,7 +63,10 @@ class ChatShape:
     """capacity-chat's sizes, in tokens; ranges are inclusive (low, high)."""
 
     system_tokens: int = 1000
-    rounds: int = 8
+    rounds: int = 5
+    # A user's own context, opening their first round (LMCache's multi-round QA gives
+    # every user a long history of their own after the shared system prompt).
+    history_tokens: tuple[int, int] = (2000, 4000)
     message_tokens: tuple[int, int] = (64, 256)
     answer_tokens: tuple[int, int] = (16, 64)
 
@@ -261,28 +265,38 @@ def capacity_chat(
     head = f"[{nonce}] You are the assistant of a support desk; answer each user briefly. "
     system, system_n = _text(rng, head, shape.system_tokens, count_tokens)
 
-    # (message tokens, answer tokens) per user; a user who is not the last leaves room
-    # for one more user of the smallest messages and the longest answers.
-    plan: list[tuple[list[int], list[int]]] = []
+    # (history tokens, message tokens, answer tokens) per user; a user who is not the
+    # last leaves room for one more user of the smallest history and messages and the
+    # longest answers. The last one's history shrinks if that is what the target needs.
+    hist_lo, hist_hi = _inner(shape.history_tokens)
+    plan: list[tuple[int, list[int], list[int]]] = []
     remaining = target - system_n
     while True:
         answers = [rng.randint(*shape.answer_tokens) for _ in range(rounds)]
         messages = [rng.randint(msg_lo, msg_hi) for _ in range(rounds)]
-        flexible = remaining - sum(answers)
+        history = rng.randint(hist_lo, hist_hi)
+        flexible = remaining - sum(answers) - history
         if flexible <= rounds * msg_hi:
-            plan.append((_fit(messages, msg_lo, msg_hi, flexible), answers))
+            if flexible < rounds * msg_lo:
+                history = max(1, history - (rounds * msg_lo - flexible))
+                flexible = rounds * msg_lo
+            plan.append((history, _fit(messages, msg_lo, msg_hi, flexible), answers))
             break
-        cap = flexible - rounds * (msg_lo + answer_hi)
+        cap = flexible - hist_lo - rounds * (msg_lo + answer_hi)
         if sum(messages) > cap:
             messages = _fit(messages, msg_lo, msg_hi, cap)
-        plan.append((messages, answers))
-        remaining -= sum(messages) + sum(answers)
+        plan.append((history, messages, answers))
+        remaining -= history + sum(messages) + sum(answers)
 
     texts, working_set = [], system_n
-    for message_ns, answers in plan:
+    for user, (history_n, message_ns, answers) in enumerate(plan):
         said = []
-        for message_n in message_ns:
+        history, _ = _text(rng, f"My account, user {user}: ", history_n, count_tokens)
+        for r, message_n in enumerate(message_ns):
             message, got = _text(rng, "", message_n, count_tokens)
+            if r == 0:  # the user's context opens their first message
+                message = f"{history}\n\n{message}"
+                got = count_tokens(message)
             said.append(message)
             working_set += got
         texts.append(said)
@@ -294,7 +308,7 @@ def capacity_chat(
     for user, at in zip(slots, _arrivals(rng, len(slots), rate_rps), strict=True):
         arrivals[user].append(at)
     measured = []
-    for user, (said, (_, answers)) in enumerate(zip(texts, plan, strict=True)):
+    for user, (said, (_, _, answers)) in enumerate(zip(texts, plan, strict=True)):
         at = arrivals[user]
         turns = tuple(
             Turn(said[r], answers[r], at[r] - at[r - 1] if r else 0.0, ignore_eos=True)

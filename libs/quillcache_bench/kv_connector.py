@@ -39,13 +39,17 @@ from pathlib import Path
 
 from quillcache_bench.common import WORDS, render_table, write_results
 from quillcache_bench.secure import INSECURE_HELP, as_gateway, operator_context
+from quillcache_core.identity.keys import block_identity
 from quillcache_core.launch import vllm_env
 from quillcache_core.launch.cluster import LocalCluster
 
 MODES = ("recompute", "dram", "ssd", "peer")
 GOAL_DRAM_RATIO = 0.2
+GOAL_LOAD_GBPS = 1.0  # a DRAM load's bytes over the connector's load time
+GOAL_SAVE_DELAY = 0.05  # what saving adds to a prefill's forward passes, at most
 LAYERS, HIDDEN = vllm_env.BENCH_LAYERS, vllm_env.BENCH_HIDDEN
 MODEL = "bench"
+SALT = "bench"  # every request's cache_salt (its blocks' tenant)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +105,7 @@ def ttft_s(access: Access, engine_url: str, text: str, extra: dict | None = None
         "max_tokens": 2,
         "temperature": 0,
         "stream": True,
-        "cache_salt": "bench",
+        "cache_salt": SALT,
         **(extra or {}),
     }
     request = urllib.request.Request(
@@ -159,46 +163,98 @@ def main(argv: list[str] | None = None) -> int:
             model=MODEL,
             vllm_model_dir=model_dir,
             dram_capacity_bytes=prompt_bytes * 3 // 2,
+            engine_options={0: {"connector_bypass_file": str(Path(tmp) / "bypass")}},
             log=lambda m: print("  " + m, flush=True),
             insecure=args.insecure,
         )
         print("starting two vLLM engines with the connector (a minute or two)", flush=True)
         endpoints = cluster.start(timeout_s=300)
         try:
-            figures = run(Access.of(cluster, endpoints), endpoints, words, repeats)
+            figures = run(
+                Access.of(cluster, endpoints), endpoints, words, repeats, Path(tmp) / "bypass"
+            )
         finally:
             cluster.stop()
     return report(figures, words, Path(args.out), tls=not args.insecure)
 
 
-def run(access: Access, endpoints: dict, words: int, repeats: int) -> dict[str, list[float]]:
+LOADED = ("quillcache_connector_bytes_loaded_total", "quillcache_connector_load_seconds")
+
+
+def run(
+    access: Access, endpoints: dict, words: int, repeats: int, bypass: Path
+) -> dict[str, list[float]]:
+    """Per mode the TTFTs (s); per loading mode also its load's GB/s (`<mode>_gbps`:
+    the connector's bytes loaded over its load time, fetch and copy into the paged
+    cache); and the save's cost: `unsaved` TTFTs (a fresh prompt with the connector
+    bypassed, nothing saved) beside the recomputes that save, and `copy_out_share`
+    (the seconds copying saves out of the paged cache, on the forward path, over the
+    recompute's TTFT)."""
     e0, e1 = endpoints["engines"]
     m0 = endpoints["metrics"]["engine-0-connector"]
+    m1 = endpoints["metrics"]["engine-1-connector"]
     blocks = words // 16 - 2  # index blocks the connector saves (about; whole vLLM blocks)
-    figures: dict[str, list[float]] = {mode: [] for mode in MODES}
+    figures: dict[str, list[float]] = {
+        k: [] for k in (*MODES, "unsaved", "copy_out_share", "dram_gbps", "ssd_gbps", "peer_gbps")
+    }
+
+    def loading(metrics_url: str, mode: str, timed) -> float:
+        before = [counter(access, metrics_url, name) for name in LOADED]
+        ttft = timed()
+        after = [counter(access, metrics_url, name) for name in LOADED]
+        moved, seconds = after[0] - before[0], after[1] - before[1]
+        figures[f"{mode}_gbps"].append(moved / seconds / 1e9 if seconds > 0 else 0.0)
+        return ttft
+
     for r in range(repeats):
+        bypass.touch()
+        figures["unsaved"].append(ttft_s(access, e0, prompt(500 + r, words)))
+        bypass.unlink()
         text = prompt(100 + r, words)
         before = counter(access, m0, "quillcache_connector_blocks_saved_total")
+        copied = counter(access, m0, "quillcache_connector_copy_out_seconds")
         figures["recompute"].append(ttft_s(access, e0, text))
         wait_saved(access, m0, before, blocks)
+        copied = counter(access, m0, "quillcache_connector_copy_out_seconds") - copied
+        figures["copy_out_share"].append(copied / figures["recompute"][-1])
         reset(access, e0)
-        figures["dram"].append(ttft_s(access, e0, text))
+        figures["dram"].append(loading(m0, "dram", lambda text=text: ttft_s(access, e0, text)))
         for other in (1, 2):  # two more prompts push this one's blocks down to SSD
             before = counter(access, m0, "quillcache_connector_blocks_saved_total")
             ttft_s(access, e0, prompt(1000 + 10 * r + other, words))
             wait_saved(access, m0, before, blocks)
         reset(access, e0)
-        figures["ssd"].append(ttft_s(access, e0, text))
-        # The other engine has never seen it: its plan (as the gateway would send it)
-        # names every block as fetchable from the pool.
-        plan = {"quillcache": {"fetch": [{"block_index": i} for i in range(words // 16)]}}
-        figures["peer"].append(ttft_s(access, e1, text, {"kv_transfer_params": plan}))
+        figures["ssd"].append(loading(m0, "ssd", lambda text=text: ttft_s(access, e0, text)))
+        # The other engine has never seen it: its plan, as the gateway sends it, names
+        # every block and the node that holds it (this engine's store node).
+        extra = {"kv_transfer_params": {"quillcache": peer_plan(access, endpoints, e0, text)}}
+        figures["peer"].append(
+            loading(m1, "peer", lambda text=text, extra=extra: ttft_s(access, e1, text, extra))
+        )
         print(
             f"  prompt {r + 1}/{repeats}: "
-            + ", ".join(f"{m} {figures[m][-1] * 1000:.0f} ms" for m in MODES),
+            + ", ".join(f"{m} {figures[m][-1] * 1000:.0f} ms" for m in (*MODES, "unsaved"))
+            + f"; DRAM load {figures['dram_gbps'][-1]:.2f} GB/s",
             flush=True,
         )
     return figures
+
+
+def peer_plan(access: Access, endpoints: dict, engine_url: str, text: str) -> dict:
+    """The fetch list a gateway's plan gives an engine for `text` held by the first store
+    node: each full block's index, hash (the identity the connector keys blocks by) and
+    that node's address. The prompt's tokens are the engine's own (`/tokenize`)."""
+    tokens = post(access, engine_url + "/tokenize", {"model": MODEL, "prompt": text})["tokens"]
+    identity = block_identity(MODEL, str(vllm_env.bench_model_dir().resolve()), cache_salt=SALT)
+    usable = (len(tokens) - 1) // 32 * 32  # whole vLLM blocks, never the last token
+    source = endpoints["stores"][0]
+    keys = identity.keys(tokens[:usable], 16)
+    return {
+        "fetch": [
+            {"block_index": i, "block_hash": k.block_hash, "source_address": source}
+            for i, k in enumerate(keys)
+        ]
+    }
 
 
 def report(figures: dict[str, list[float]], words: int, out: Path, tls: bool = True) -> int:
@@ -218,6 +274,18 @@ def report(figures: dict[str, list[float]], words: int, out: Path, tls: bool = T
     dram = rows[1]["ratio"]
     met = dram <= GOAL_DRAM_RATIO
     print(f"\ngoal: load from DRAM <= {GOAL_DRAM_RATIO}x recompute: {'met' if met else 'NOT met'}")
+    gbps = {m: statistics.median(figures[f"{m}_gbps"]) for m in ("dram", "ssd", "peer")}
+    print("load speed (bytes over the connector's load time), medians: "
+          + ", ".join(f"{m} {v:.2f} GB/s" for m, v in gbps.items()))  # fmt: skip
+    load_met = gbps["dram"] >= GOAL_LOAD_GBPS
+    print(f"goal: a DRAM load at >= {GOAL_LOAD_GBPS} GB/s: {'met' if load_met else 'NOT met'}")
+    unsaved = statistics.median(figures["unsaved"])
+    delay = base / unsaved - 1
+    copy_share = statistics.median(figures["copy_out_share"])
+    save_met = max(delay, copy_share) <= GOAL_SAVE_DELAY
+    print(f"saving: recompute {base * 1000:.0f} ms against {unsaved * 1000:.0f} ms unsaved "
+          f"({100 * delay:+.1f}%), copy-out {100 * copy_share:.1f}% of the recompute's TTFT; "
+          f"goal <= {100 * GOAL_SAVE_DELAY:.0f}%: {'met' if save_met else 'NOT met'}")  # fmt: skip
     path = write_results(
         "connector",
         {
@@ -228,6 +296,13 @@ def report(figures: dict[str, list[float]], words: int, out: Path, tls: bool = T
             "medians": rows,
             "goal_dram_ratio": GOAL_DRAM_RATIO,
             "goal_met": met,
+            "load_gbps": gbps,
+            "goal_load_gbps": GOAL_LOAD_GBPS,
+            "goal_load_met": load_met,
+            "save_delay": delay,
+            "copy_out_share": copy_share,
+            "goal_save_delay": GOAL_SAVE_DELAY,
+            "goal_save_met": save_met,
         },
         out,
     )

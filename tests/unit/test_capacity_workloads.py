@@ -118,8 +118,11 @@ def test_chat_sizes_are_in_their_ranges_with_every_user_of_r_rounds():
     assert 998 <= words(w.measured[0].system) <= 1002
     for session in w.measured:
         assert len(session.turns) == w.rounds
+        history, first = session.turns[0].user.split("\n\n")
+        assert 2000 <= words(history) <= 4000 or session.session_id == f"conv-{w.users - 1}"
+        assert 64 <= words(first) <= 256
         for turn in session.turns:
-            assert 64 <= words(turn.user) <= 256
+            assert 64 <= words(turn.user.split("\n\n")[-1]) <= 256
             assert 16 <= turn.max_tokens <= 64
             assert turn.ignore_eos
 
@@ -267,4 +270,10 @@ def test_a_real_byte_level_bpe_counts_hit_their_targets_quickly(name, bpe_count)
         assert all(64 <= bpe_count(question) <= 256 for _, question in pieces)
     else:
         assert w.working_set_tokens == recount_chat(w, bpe_count)
-        assert all(64 <= bpe_count(t.user) <= 256 for s in w.measured for t in s.turns)
+        messages = [t.user.split("\n\n")[-1] for s in w.measured for t in s.turns]
+        assert all(64 <= bpe_count(m) <= 256 for m in messages)
+        last = f"conv-{w.users - 1}"  # the user fit to the target
+        histories = [
+            s.turns[0].user.split("\n\n")[0] for s in w.measured if s.session_id != last
+        ]
+        assert all(2000 <= bpe_count(h) <= 4000 for h in histories)

@@ -87,3 +87,14 @@ def test_the_cpu_tiers_that_do_not_run_here_raise_quoting_their_errors():
         native_offload_args(1)
     with pytest.raises(PeerUnavailable, match="No supported cpu connector found"):
         lmcache_env_and_args(1)
+
+
+def test_smg_is_ready_only_when_its_readiness_says_so(monkeypatch):
+    answers = {
+        "/readiness": '{"status":"not ready","reason":"tokenizer not yet registered"}',
+    }
+    monkeypatch.setattr(live_peers, "metric_text", lambda url: answers[url[len("http://x") :]])
+    router = live_peers.SmgProcess("smg", [], "http://x", Path("/dev/null"))
+    assert not router._ready(1)
+    answers["/readiness"] = '{"status":"ready","healthy_workers":1,"total_workers":2}'
+    assert router._ready(1) and not router._ready(2)

@@ -122,20 +122,25 @@ class BlockBatches:
         return out
 
     def get_each(
-        self, address: str, keys: Sequence[KvBlockKey], sink: Callable[[int, memoryview], bool]
+        self,
+        address: str,
+        keys: Sequence[KvBlockKey],
+        sink: Callable[[int, memoryview], bool],
+        into: Callable[[int, int], memoryview | None] | None = None,
     ) -> list[bool]:
         """Hand each block the node holds, intact, to `sink(index in keys, its bytes)`
         as it arrives; per key whether the sink took it (a sink returns False for bytes
         it cannot use). The view is valid only during the call: the blocks are received
         into one buffer, reused, so a load costs no allocation per block and touches no
-        new pages."""
+        new pages. With `into`, a block is received where `into(index, its length)`
+        says (a writable view of that length), or into the buffer when it says None."""
         taken = [False] * len(keys)
         for start in range(0, len(keys), dataproto.MAX_REQUEST_KEYS):
             part = list(keys[start : start + dataproto.MAX_REQUEST_KEYS])
-            self._get_part(address, part, start, sink, taken)
+            self._get_part(address, part, start, sink, taken, into)
         return taken
 
-    def _get_part(self, address, keys, first, sink, taken) -> None:
+    def _get_part(self, address, keys, first, sink, taken, into=None) -> None:
         sock = None
         scratch = bytearray()
         try:
@@ -151,9 +156,11 @@ class BlockBatches:
                     drain(sock, block.message_len)
                 if block.status != dataproto.STATUS_OK:
                     continue
-                if len(scratch) < block.payload_len:
-                    scratch = bytearray(block.payload_len)
-                view = memoryview(scratch)[: block.payload_len]
+                view = into(first + i, block.payload_len) if into is not None else None
+                if view is None:
+                    if len(scratch) < block.payload_len:
+                        scratch = bytearray(block.payload_len)
+                    view = memoryview(scratch)[: block.payload_len]
                 if recv_exactly(sock, view) < block.payload_len:
                     raise NodeUnavailable(f"data port {address} closed inside a block")
                 if payload_checksum(view) == block.checksum:
