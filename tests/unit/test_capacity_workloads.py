@@ -273,7 +273,5 @@ def test_a_real_byte_level_bpe_counts_hit_their_targets_quickly(name, bpe_count)
         messages = [t.user.split("\n\n")[-1] for s in w.measured for t in s.turns]
         assert all(64 <= bpe_count(m) <= 256 for m in messages)
         last = f"conv-{w.users - 1}"  # the user fit to the target
-        histories = [
-            s.turns[0].user.split("\n\n")[0] for s in w.measured if s.session_id != last
-        ]
+        histories = [s.turns[0].user.split("\n\n")[0] for s in w.measured if s.session_id != last]
         assert all(2000 <= bpe_count(h) <= 4000 for h in histories)
