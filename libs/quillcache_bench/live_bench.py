@@ -77,6 +77,7 @@ from quillcache_bench.live_counters import (
 )
 from quillcache_bench.live_report import (
     SPLIT,
+    by_plan_kind,
     goals,
     goals_text,
     itl_table,
@@ -565,7 +566,7 @@ def _run(
         if field in lookups0 and field in lookups1:
             detail[field] = round(lookups1[field] - lookups0[field], 3)
     detail["slowest"] = _slowest(samples)
-    kinds = _by_plan_kind(samples)
+    kinds = by_plan_kind(samples)
     if kinds:
         detail["ttft_by_plan_kind"] = kinds
     plans = Counter(s.disagg for s in samples if s.disagg)
@@ -579,41 +580,6 @@ def _run(
             mean(s.ttft_s * 1000 - s.prefill_ms for s in split), 1
         )
     return figures, detail
-
-
-def _plan_kind(plan: dict) -> str | None:
-    """What a QuillCache plan mostly did with the prompt's blocks: `compute` (more than
-    half recomputed), `fetch` (any loaded from the pool), else `hit`."""
-    try:
-        hit, fetch = int(plan["hit-blocks"]), int(plan["fetch-blocks"])
-        compute = int(plan["recompute-blocks"])
-    except (KeyError, ValueError):
-        return None
-    if 2 * compute > hit + fetch + compute:
-        return "compute"
-    return "fetch" if fetch else "hit"
-
-
-def _by_plan_kind(samples: list) -> dict[str, dict]:
-    """Per kind of plan: requests, mean measured and estimated TTFT (ms), mean blocks hit,
-    fetched and recomputed: where the estimate is off, and for which requests."""
-    groups: dict[str, list] = {}
-    for s in samples:
-        kind = _plan_kind(s.plan) if s.ok and s.ttft_s is not None else None
-        if kind is not None:
-            groups.setdefault(kind, []).append(s)
-    out = {}
-    for kind, group in sorted(groups.items()):
-        out[kind] = {
-            "requests": len(group),
-            "ttft_mean_ms": round(mean(s.ttft_s * 1000 for s in group), 1),
-            "est_ttft_mean_ms": round(mean(float(s.plan.get("est-ttft-ms", 0)) for s in group), 1),
-            **{
-                f"{field}_mean": round(mean(int(s.plan[f"{field}-blocks"]) for s in group), 1)
-                for field in ("hit", "fetch", "recompute")
-            },
-        }
-    return out
 
 
 def _slowest(samples: list, count: int = 3) -> list[dict]:

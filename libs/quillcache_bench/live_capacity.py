@@ -42,7 +42,7 @@ import numpy as np
 from quillcache_bench.capacity_workloads import WORKLOADS as CAPACITY_WORKLOADS
 from quillcache_bench.capacity_workloads import make_capacity_workload
 from quillcache_bench.common import Progress, render_table, write_results
-from quillcache_bench.live_report import summarise
+from quillcache_bench.live_report import by_plan_kind, summarise
 from quillcache_bench.live_systems import (
     ROUTERS,
     Engine,
@@ -124,7 +124,7 @@ def figures(phase: Phase, slo_ms: float) -> dict[str, float | int]:
     )
     prompt = sum(c.prompt_tokens for c in phase.served)
     met = sum(1 for s in ok if s.ttft_s * 1000 <= slo_ms)
-    return {
+    out = {
         "requests": len(phase.samples),
         "ttft_mean_ms": base["ttft_mean_ms"],
         "ttft_p50_ms": base["ttft_p50_ms"],
@@ -139,6 +139,11 @@ def figures(phase: Phase, slo_ms: float) -> dict[str, float | int]:
         "load_max_over_mean": base["load_max_over_mean"],
         "control_cpu_ms_per_request": base["control_cpu_ms_per_request"],
     }
+    errors = [s.error for s in phase.samples if s.error][:3]
+    if errors:
+        out["first_errors"] = errors
+    kinds = by_plan_kind(phase.samples)  # QuillCache's: what its plans did, and their TTFTs
+    return out | ({"ttft_by_plan_kind": kinds} if kinds else {})
 
 
 def main(args) -> int:
@@ -390,9 +395,9 @@ def medians(results: list[dict], phase: str = "systems") -> list[dict]:
         systems: dict[str, dict] = {}
         for name in {n for r in runs for n in r}:
             values = [r[name] for r in runs if name in r]
-            systems[name] = {k: float(np.median([v[k] for v in values])) for k in values[0]} | {
-                "runs": len(values)
-            }
+            numeric = [k for k, x in values[0].items() if isinstance(x, int | float)]
+            systems[name] = {k: float(np.median([v[k] for v in values])) for k in numeric}
+            systems[name]["runs"] = len(values)
         out.append({"workload": workload, "ratio": ratio, "systems": systems})
     return out
 

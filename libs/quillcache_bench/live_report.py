@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from statistics import mean
 
 import numpy as np
 
@@ -295,3 +296,38 @@ def plot(runs: Sequence[Mapping], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plan_kind(plan: dict) -> str | None:
+    """What a QuillCache plan mostly did with the prompt's blocks: `compute` (more than
+    half recomputed), `fetch` (any loaded from the pool), else `hit`."""
+    try:
+        hit, fetch = int(plan["hit-blocks"]), int(plan["fetch-blocks"])
+        compute = int(plan["recompute-blocks"])
+    except (KeyError, ValueError):
+        return None
+    if 2 * compute > hit + fetch + compute:
+        return "compute"
+    return "fetch" if fetch else "hit"
+
+
+def by_plan_kind(samples: list) -> dict[str, dict]:
+    """Per kind of plan: requests, mean measured and estimated TTFT (ms), mean blocks hit,
+    fetched and recomputed: where the estimate is off, and for which requests."""
+    groups: dict[str, list] = {}
+    for s in samples:
+        kind = plan_kind(s.plan) if s.ok and s.ttft_s is not None else None
+        if kind is not None:
+            groups.setdefault(kind, []).append(s)
+    out = {}
+    for kind, group in sorted(groups.items()):
+        out[kind] = {
+            "requests": len(group),
+            "ttft_mean_ms": round(mean(s.ttft_s * 1000 for s in group), 1),
+            "est_ttft_mean_ms": round(mean(float(s.plan.get("est-ttft-ms", 0)) for s in group), 1),
+            **{
+                f"{field}_mean": round(mean(int(s.plan[f"{field}-blocks"]) for s in group), 1)
+                for field in ("hit", "fetch", "recompute")
+            },
+        }
+    return out
