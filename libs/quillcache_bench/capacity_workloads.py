@@ -17,7 +17,7 @@ engines' KV capacity, in tokens), with Poisson arrivals at the requested request
   in a random order that keeps each user's rounds in order.
 
 Each workload has a warm-up phase (every document, or every conversation's first round,
-once, with a one-token answer) to run unmeasured before the measured phase, and
+once, with a four-token answer) to run unmeasured before the measured phase, and
 `first_touches` names the measured requests that are a document's or conversation's
 first (the cold phase when the warm-up is not run). Every answer is exactly max_tokens
 long (`ignore_eos`): the decode work is fixed and the history grows as W assumes.
@@ -41,7 +41,9 @@ from quillcache_core.launch.tiny_model import WORDS
 
 WORKLOADS = ("capacity-docqa", "capacity-chat")
 TOLERANCE_TOKENS = 2  # how far a piece's token count may be from its target
-WARMUP_MAX_TOKENS = 1
+# A few tokens, not one: a random-weight model's one token can print as nothing, and a
+# stream without content has no first token to time.
+WARMUP_MAX_TOKENS = 4
 _MAX_COUNTS = 8  # tokenizer calls a piece may take to reach its target
 
 CountTokens = Callable[[str], int]

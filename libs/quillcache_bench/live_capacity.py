@@ -13,14 +13,16 @@ model's does on a GPU), each system in turn in front of the same engines:
 
 Each cell (workload, ratio, run) starts from empty caches and a nonce of its own (no
 system inherits another's blocks), then: the warm-up pass (every document or
-conversation once, one output token: the cold phase, reported apart), then the measured
+conversation once, four output tokens: the cold phase, reported apart), then the measured
 phase (Poisson arrivals at `--capacity-rps`, order random so a document comes back after
 more than an engine's cache of others). Per system and phase: TTFT mean, p50, p90, p99;
 inter-token latency; throughput and goodput (requests whose TTFT met the SLO, per
 second); errors; the share of prompt tokens vLLM found in its own cache and the share it
 loaded through a connector; the control path's CPU a request. The SLO is 4x the TTFT of
 one fully cached request of the workload, measured on the engines at the start (stated
-in the results). Writes bench/results/live-vllm-capacity-<UTC>.json and
+in the results). Before the race, sixteen documents go through QuillCache's gateway
+unmeasured (`_calibrate`): its conductors learn the engines' prefill speed from what
+they observe, as a deployment's have before its first busy hour. Writes bench/results/live-vllm-capacity-<UTC>.json and
 live-vllm-capacity-latest.{json,png}.
 """
 
@@ -34,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +110,7 @@ class Phase:
     samples: list[Sample]
     served: list[EngineCounters]
     cpu_s: float
+    cpu_s_by_process: dict[str, float] = field(default_factory=dict)  # QuillCache's rows
 
 
 def figures(phase: Phase, slo_ms: float) -> dict[str, float | int]:
@@ -139,6 +142,8 @@ def figures(phase: Phase, slo_ms: float) -> dict[str, float | int]:
         "load_max_over_mean": base["load_max_over_mean"],
         "control_cpu_ms_per_request": base["control_cpu_ms_per_request"],
     }
+    if phase.cpu_s_by_process:
+        out["cpu_s_by_process"] = phase.cpu_s_by_process
     errors = [s.error for s in phase.samples if s.error][:3]
     if errors:
         out["first_errors"] = errors
@@ -286,6 +291,8 @@ def run(args, cluster, endpoints, engines: list[Engine], systems_of: Systems) ->
         if c.proc is not None and not c.name.startswith("engine")
     }
     slo_ms = {w: SLO_HITS * _hit_ttft_ms(engines, cluster.model, w, count) for w in workloads}
+    if OURS in systems:
+        _calibrate(quillcache, count)
     print("goodput SLO (4x one cached request's TTFT): "
           + ", ".join(f"{w} {v:.0f} ms" for w, v in slo_ms.items()), flush=True)  # fmt: skip
     cells = [(w, ratio, r) for w in workloads for ratio in ratios for r in range(runs_per_cell)]
@@ -305,7 +312,8 @@ def run(args, cluster, endpoints, engines: list[Engine], systems_of: Systems) ->
                     hold.enter_context(paused(list(ours_all.values()), 5.0))
                 with hold:
                     cold, measured = _cell(args, system, workload, ratio, r, capacity, count,
-                                           target, engines, pids, label)  # fmt: skip
+                                           target, engines, pids, label,
+                                           ours_all if system == OURS else {})  # fmt: skip
             cell["cold"][system] = figures(cold, slo_ms[workload])
             cell["systems"][system] = figures(measured, slo_ms[workload])
             f = cell["systems"][system]
@@ -319,7 +327,7 @@ def run(args, cluster, endpoints, engines: list[Engine], systems_of: Systems) ->
                   time.monotonic() - started)  # fmt: skip
 
 
-def _cell(args, system, workload, ratio, r, capacity, count, target, engines, pids, label):
+def _cell(args, system, workload, ratio, r, capacity, count, target, engines, pids, label, each):
     for engine in engines:
         engine.reset_cache()
     time.sleep(0.5)  # the conductors apply the engines' AllBlocksCleared
@@ -335,20 +343,26 @@ def _cell(args, system, workload, ratio, r, capacity, count, target, engines, pi
         tenant=TENANT,
     )
     return (
-        _phase(target, w.warmup, engines, pids, f"{label} warm-up"),
-        _phase(target, w.measured, engines, pids, label),
+        _phase(target, w.warmup, engines, pids, f"{label} warm-up", each),
+        _phase(target, w.measured, engines, pids, label, each),
     )
 
 
-def _phase(target: Target, sessions, engines: list[Engine], pids: list[int], label: str) -> Phase:
+def _phase(
+    target: Target, sessions, engines: list[Engine], pids: list[int], label: str, each=None
+) -> Phase:
+    """Drive `sessions`; `pids` is the control path whose CPU is counted, `each` (name ->
+    pid, QuillCache's processes) is counted process by process as well."""
+    groups = {"": pids} | {name: [pid] for name, pid in (each or {}).items()}
     before = [e.counters() for e in engines]
-    cpu0 = trees_cpu_s({"": pids})[""] if pids else 0.0
+    cpu0 = trees_cpu_s(groups)
     total = sum(len(s.turns) for s in sessions)
     progress = Progress(label, total)
     samples = asyncio.run(drive(target, sessions, on_done=progress.advance))
-    cpu1 = trees_cpu_s({"": pids})[""] if pids else 0.0
+    cpu1 = trees_cpu_s(groups)
     served = [e.counters().minus(b) for e, b in zip(engines, before, strict=True)]
-    return Phase(samples, served, cpu1 - cpu0)
+    by_process = {name: round(cpu1[name] - cpu0[name], 3) for name in each or {}}
+    return Phase(samples, served, cpu1[""] - cpu0[""], by_process)
 
 
 def _token_counter(model_dir: Path):
@@ -360,16 +374,21 @@ def _token_counter(model_dir: Path):
 
 def _hit_ttft_ms(engines: list[Engine], model: str, workload: str, count) -> float:
     """The median TTFT of a request of `workload`'s shape that vLLM has fully cached:
-    its first request sent to every engine once (which also warms vLLM up: its first
-    requests after a start are slow), then asked again three times of the first engine.
+    its first request (and its longest) sent to every engine once (which also warms
+    vLLM up: its first requests after a start are slow), then the first asked again
+    three times of the first engine.
     Every engine's cache is emptied after."""
-    w = make_capacity_workload(workload, seed=999, capacity_tokens=8192, ratio=0.5,
+    w = make_capacity_workload(workload, seed=999, capacity_tokens=32768, ratio=1.0,
                                rate_rps=1.0, nonce="slo-probe", count_tokens=count,
                                tenant=TENANT)  # fmt: skip
     first = w.measured[0]
     probe = replace(first, start_s=0.0, turns=first.turns[:1])
+    # The workload's longest first request too: vLLM's first prefill of a length is
+    # slow, and the first system of the race would pay for it.
+    longest = max(w.measured, key=lambda s: len(s.turns[0].user))
+    longest = replace(longest, start_s=0.0, turns=longest.turns[:1])
     for engine in engines:
-        asyncio.run(drive(Target(engine.url, None, {}, model), [probe]))
+        asyncio.run(drive(Target(engine.url, None, {}, model), [longest, probe]))
     target = Target(engines[0].url, None, {}, model)
     times = []
     for _ in range(3):
@@ -379,6 +398,19 @@ def _hit_ttft_ms(engines: list[Engine], model: str, workload: str, count) -> flo
     for engine in engines:
         engine.reset_cache()
     return statistics.median(times) if times else 1000.0
+
+
+def _calibrate(quillcache: Target, count) -> None:
+    """Sixteen documents of the docqa shape through QuillCache's gateway, unmeasured,
+    before the race: a deployment's conductors have seen its engines' prefills before
+    (they learn the speed from the requests' first tokens and price queues with it;
+    until 16 samples they price a token as a GPU would). Distinct prompts: nothing of
+    them is reused by the race."""
+    w = make_capacity_workload("capacity-docqa", seed=777, capacity_tokens=16384, ratio=4.0,
+                               rate_rps=0.5, nonce="calibrate", count_tokens=count,
+                               tenant=TENANT)  # fmt: skip
+    progress = Progress("calibrating QuillCache's conductors", len(w.warmup))
+    asyncio.run(drive(quillcache, w.warmup, on_done=progress.advance))
 
 
 # --- report ---------------------------------------------------------------------------

@@ -503,7 +503,11 @@ class QuillCacheConnector(KVConnectorBase_V1):
         whole = [all(taken[j * parts : (j + 1) * parts]) for j in range(len(transfers))]
         if any(whole):
             started = time.perf_counter()
-            self._place(transfers, whole, len(keys) * size)
+            try:
+                self._place(transfers, whole, len(keys) * size)
+            except (RuntimeError, ValueError):  # a layout this copy does not know
+                logger.exception("placing %d loaded blocks failed: recomputed", len(keys))
+                whole = [False] * len(transfers)
             # A load's time is until its bytes are in the paged cache.
             placed = time.perf_counter() - started
             self.pool.counters.load_seconds += placed

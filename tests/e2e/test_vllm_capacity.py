@@ -129,3 +129,35 @@ def test_a_prompt_other_prompts_evicted_is_fetched_from_the_pool_and_answers_the
     # vLLM itself had none of it left: nothing came from its own cache
     assert metric(endpoints, endpoints["metrics"][ENGINE], "vllm:prefix_cache_hits_total") == local
     assert again.choices[0].text == first.choices[0].text  # token for token
+
+
+def test_with_its_store_node_killed_an_evicted_prompt_is_recomputed_and_answers_the_same(capped):
+    """The pool's node dies (SIGKILL) after the prompt was saved and evicted from vLLM:
+    the request is not lost. Whatever the plan says (the conductor may still list the
+    node's blocks until its lease expires), the load fails and vLLM recomputes. Runs
+    last: the module's cluster has no store node after it."""
+    cluster, endpoints = capped
+    target = text(300, 300)
+    saved = connector(endpoints, ENGINE, "blocks_saved")
+    _, first = ask(endpoints, "completion", MODEL, target, max_tokens=16)
+    blocks = first.usage.prompt_tokens // BLOCK
+    wait_until(
+        lambda: connector(endpoints, ENGINE, "blocks_saved") - saved >= 2 * blocks - 2,
+        timeout_s=15,
+        what="the prompt saved to the pool",
+    )
+    for seed in range(301, 305):
+        ask(endpoints, "completion", MODEL, text(seed, 300), max_tokens=16)
+    settled(endpoints, ENGINE)
+    (store,) = [c for c in cluster.children if c.name == "store-0"]
+    store.proc.kill()
+    store.proc.wait(timeout=10)
+    loaded = connector(endpoints, ENGINE, "blocks_loaded")
+    headers, again = ask(endpoints, "completion", MODEL, target, max_tokens=16)
+    print(
+        f"store killed: plan fetch {headers['x-quillcache-fetch-blocks']} recompute "
+        f"{headers['x-quillcache-recompute-blocks']}; failed loads "
+        f"{connector(endpoints, ENGINE, 'blocks_load_failed')}"
+    )
+    assert again.choices[0].text == first.choices[0].text  # recomputed, token for token
+    assert connector(endpoints, ENGINE, "blocks_loaded") == loaded  # nothing came from it

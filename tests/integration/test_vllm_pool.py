@@ -193,3 +193,20 @@ def test_another_user_cannot_use_a_nodes_data_socket(lone_store):
     os.close(write)
     os.waitpid(child, 0)
     assert os.read(read, 64) == b"denied"
+
+
+def test_a_node_without_a_data_socket_is_loaded_over_its_tls_port(tmp_path):
+    """`--data-socket off`: Stats names no socket, and the pool uses the TLS data port."""
+    with stores.lone_store(tmp_path, "--data-socket", "off") as store:
+        assert run(_with(store.grpc_address, lambda c: c.stats()))["data_socket"] == ""
+        pool = Pool(store.grpc_address, tls=tls("engine"))
+        try:
+            keys = [block_key(i, chain="tls") for i in range(4)]
+            payloads = [kv_payload(700 + i, SHAPES["0.5MiB"]) for i in range(4)]
+            assert pool.save_later(list(zip(keys, payloads, strict=True))) == 4
+            assert pool.flush(20.0)
+            assert pool.get_many(keys) == payloads
+        finally:
+            pool.close()
+        assert store.metric("quillcache_store_data_local_connections_total") == 0
+        assert store.metric("quillcache_store_data_put_blocks_total") == 4
