@@ -285,7 +285,11 @@ class StoreServer:
             return ""
         if wanted != "auto":
             return wanted
-        self._socket_dir = tempfile.mkdtemp(prefix="quillcache-store-")  # mode 0700
+        try:
+            self._socket_dir = tempfile.mkdtemp(prefix="quillcache-store-")  # mode 0700
+        except OSError as exc:  # a read-only /tmp: clients use the TCP port
+            logger.warning("no block-data socket (%s): clients on this host use TLS", exc)
+            return ""
         return os.path.join(self._socket_dir, "data.sock")
 
     @property

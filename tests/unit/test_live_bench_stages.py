@@ -26,7 +26,7 @@ def test_a_run_with_no_request_or_unreadable_metrics_has_no_means():
 
 
 def test_ttft_by_plan_kind_compares_each_kind_of_plan_with_its_estimate():
-    from quillcache_bench.live_bench import _by_plan_kind
+    from quillcache_bench.live_report import by_plan_kind
     from quillcache_bench.live_workloads import Sample
 
     def sample(ttft_ms, hit, fetch, compute, est_ms, ok=True):
@@ -46,7 +46,7 @@ def test_ttft_by_plan_kind_compares_each_kind_of_plan_with_its_estimate():
         sample(999, 2, 0, 30, 200, ok=False),  # failed: not counted
         Sample("t", ttft_s=0.05, ok=True, plan={"disagg": "fallback"}),  # no plan: skipped
     ]
-    kinds = _by_plan_kind(samples)
+    kinds = by_plan_kind(samples)
     assert set(kinds) == {"hit", "fetch", "compute"}
     assert kinds["hit"]["requests"] == 2
     assert kinds["hit"]["ttft_mean_ms"] == 80.0 and kinds["hit"]["est_ttft_mean_ms"] == 25.0
@@ -59,4 +59,4 @@ def test_ttft_by_plan_kind_compares_each_kind_of_plan_with_its_estimate():
         "fetch_mean": 0.0,
         "recompute_mean": 30.0,
     }
-    assert _by_plan_kind([Sample("t", ttft_s=0.01, ok=True)]) == {}
+    assert by_plan_kind([Sample("t", ttft_s=0.01, ok=True)]) == {}

@@ -274,9 +274,14 @@ class BlockDataServer:
         self._accept_on(listener, local=False)
         log.info("block data port listening on %s:%d", self.host, self.port)
         if self.local_socket:
-            self._local_listener = _unix_listener(self.local_socket)
-            self._accept_on(self._local_listener, local=True)
-            log.info("block data socket listening on %s", self.local_socket)
+            try:
+                self._local_listener = _unix_listener(self.local_socket)
+            except OSError as exc:  # clients on this host use the TCP port instead
+                log.warning("no block data socket at %s: %s", self.local_socket, exc)
+                self.local_socket = ""
+            else:
+                self._accept_on(self._local_listener, local=True)
+                log.info("block data socket listening on %s", self.local_socket)
         return self.port
 
     def _accept_on(self, listener: socket.socket, *, local: bool) -> None:
