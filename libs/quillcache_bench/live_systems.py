@@ -138,15 +138,24 @@ class RouterProcess:
 
 def start_router(name: str, workers: list[str], log_dir: Path) -> RouterProcess:
     binary, policy = ROUTERS[name]
-    port = free_port()
-    router = RouterProcess(
+    return launch(
+        RouterProcess,
         name,
-        router_argv(binary, policy, workers, port, free_port()),
-        f"http://127.0.0.1:{port}",
-        Path(log_dir) / f"{name}.log",
+        lambda port, metrics_port: router_argv(binary, policy, workers, port, metrics_port),
+        len(workers),
+        log_dir,
     )
+
+
+def launch(kind: type[RouterProcess], name: str, argv_for, workers: int, log_dir: Path):
+    """A router process of class `kind` on free loopback ports (`argv_for(port,
+    metrics_port)` its command line), returned once it is ready for `workers` workers;
+    stopped again if it does not get there."""
+    port = free_port()
+    router = kind(name, argv_for(port, free_port()), f"http://127.0.0.1:{port}",
+                  Path(log_dir) / f"{name}.log")  # fmt: skip
     try:
-        router.start(len(workers))
+        router.start(workers)
     except BaseException:
         router.stop()
         raise

@@ -92,9 +92,11 @@ def test_the_cap_reaches_vllm_the_registry_and_the_context(capped):
     assert json.loads(record)["capacity_bytes"] == KV_TOKENS * KV_BYTES_PER_TOKEN
 
 
-def test_a_prompt_other_prompts_evicted_is_fetched_from_the_pool_and_answers_the_same(capped):
-    _, endpoints = capped
-    target = text(200, 300)
+def saved_then_evicted(endpoints, seed: int):
+    """Ask prompt `seed` (about 300 tokens), wait until the pool holds it, then push it
+    out of vLLM's capped cache with four prompts of its size (no prefix in common, the
+    23 usable blocks): (the prompt, its first answer, its whole vLLM blocks)."""
+    target = text(seed, 300)
     saved = connector(endpoints, ENGINE, "blocks_saved")
     _, first = ask(endpoints, "completion", MODEL, target, max_tokens=16)
     blocks = first.usage.prompt_tokens // BLOCK  # whole vLLM blocks; vLLM computes the last
@@ -104,10 +106,15 @@ def test_a_prompt_other_prompts_evicted_is_fetched_from_the_pool_and_answers_the
         timeout_s=15,
         what="the prompt saved to the pool",
     )
-    # Four prompts of its size (no prefix in common) go through the 23 usable blocks.
-    for seed in range(201, 205):
-        ask(endpoints, "completion", MODEL, text(seed, 300), max_tokens=16)
+    for other in range(seed + 1, seed + 5):
+        ask(endpoints, "completion", MODEL, text(other, 300), max_tokens=16)
     settled(endpoints, ENGINE)
+    return target, first, blocks
+
+
+def test_a_prompt_other_prompts_evicted_is_fetched_from_the_pool_and_answers_the_same(capped):
+    _, endpoints = capped
+    target, first, blocks = saved_then_evicted(endpoints, 200)
     # what the conductor counts (16-token index blocks) fits in the capped cache
     assert engine_stats(endpoints, ENGINE).resident_blocks <= 2 * KV_TOKENS // BLOCK
     loaded = connector(endpoints, ENGINE, "blocks_loaded")
@@ -137,18 +144,7 @@ def test_with_its_store_node_killed_an_evicted_prompt_is_recomputed_and_answers_
     node's blocks until its lease expires), the load fails and vLLM recomputes. Runs
     last: the module's cluster has no store node after it."""
     cluster, endpoints = capped
-    target = text(300, 300)
-    saved = connector(endpoints, ENGINE, "blocks_saved")
-    _, first = ask(endpoints, "completion", MODEL, target, max_tokens=16)
-    blocks = first.usage.prompt_tokens // BLOCK
-    wait_until(
-        lambda: connector(endpoints, ENGINE, "blocks_saved") - saved >= 2 * blocks - 2,
-        timeout_s=15,
-        what="the prompt saved to the pool",
-    )
-    for seed in range(301, 305):
-        ask(endpoints, "completion", MODEL, text(seed, 300), max_tokens=16)
-    settled(endpoints, ENGINE)
+    target, first, _ = saved_then_evicted(endpoints, 300)
     (store,) = [c for c in cluster.children if c.name == "store-0"]
     store.proc.kill()
     store.proc.wait(timeout=10)
