@@ -45,6 +45,7 @@ import os
 import select
 import socket
 import ssl
+import stat
 import struct
 import threading
 import time
@@ -528,16 +529,17 @@ class BlockDataServer:
 
 def _unix_listener(path: str) -> socket.socket:
     """A Unix socket listening at `path`, readable and writable by its owner only (a
-    stale socket file there, from a node that died, is replaced)."""
+    stale socket there, from a node that died, is replaced; any other file is not).
+    Not by the umask, which is the whole process's and would race its other threads:
+    connecting takes write permission, which under the usual umask (022) only the
+    owner has from the bind to the chmod, and an `auto` socket's directory is the
+    owner's alone anyway."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        old = os.umask(0o177)
-        try:
-            listener.bind(path)
-        finally:
-            os.umask(old)
+        listener.bind(path)
         os.chmod(path, 0o600)
         listener.listen(128)
     except OSError:
