@@ -16,7 +16,7 @@ measures, in one run:
 - KV-event ingest over ZMQ into the conductor process (block events/s until the
   conductor's index holds them all).
 
-Goals (issue 3): Plan p99 <= 3 ms, >= 2,000 plans/s, >= 500k block events/s
+Goals: Plan p99 <= 3 ms, >= 2,000 plans/s, >= 500k block events/s
 in-process, >= 200k over ZMQ. The table says which are met.
 
 Everything runs as a secure cluster does (certificates made in the run's temp dir):
@@ -61,7 +61,7 @@ from quillcache_core.security.tls import grpc_channel
 from quillcache_core.wire.plan import pack_hashes
 
 MODEL, TOKENIZER, BS = "bench-model", "builtin-v1", 16
-# Issue 3's goals, judged in the table and drawn in the plot.
+# The conductor's goals, judged in the table and drawn in the plot.
 GOAL_P99_US, GOAL_PLANS_PER_S = 3000, 2000
 GOAL_EVENTS_IN_PROCESS, GOAL_EVENTS_ZMQ = 500_000, 200_000
 

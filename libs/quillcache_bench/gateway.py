@@ -8,7 +8,7 @@ same small completions (a) straight to an engine and (b) through the gateway
 number of pairs in flight on both paths (--concurrency). Reports p50/p99 of what a
 user sees, the time to the first body byte and to the full answer, for streaming and
 non-streaming requests, and of the per-pair difference (the gateway's overhead).
-Warm-up pairs are not counted. Goal (issue 4): added p50 <= 2 ms.
+Warm-up pairs are not counted. Goal: added p50 <= 2 ms.
 
 The cluster is secure as `quillcache up` runs it (certificates in its temp dir,
 mutual TLS between the processes, etcd with its roles). The client calls each path

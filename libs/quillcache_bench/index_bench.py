@@ -1,4 +1,4 @@
-"""`quillcache bench-index`: every residency-index backend on the same traces (issue 20).
+"""`quillcache bench-index`: every residency-index backend on the same traces.
 
 Traces (index_traces.py), built once and replayed unchanged against memory, lmdb,
 rocksdb, fs and art: the fleet simulator's chat and docqa workloads recorded under our

@@ -10,7 +10,7 @@ Each system in turn gets the same seeded workloads (chat, docqa, mix, decode; se
 - `quillcache`: the cluster's gateway (HTTPS, tenants' API keys), as deployed (every
   engine `both`: colocated);
 - `quillcache-split` (decode workload only): the same gateway and engines, the engines
-  given prefill/decode roles in place (`--split-roles`): disaggregated (issue 21);
+  given prefill/decode roles in place (`--split-roles`): disaggregated;
 - `sglang-router-cache_aware`, `sglang-router-round_robin`: the real sglang-router
   0.3.2 with its defaults (cache threshold 0.3, balance thresholds 64 and 1.5, ...);
 - `vllm-router-cache_aware`, `vllm-router-consistent_hash`: the real vllm-router 0.1.17,
@@ -42,8 +42,8 @@ The decode workload (long outputs) runs with the sim engines switched in place t
 decode-heavy shape for every system alike (`DECODE_SETTINGS`: `--decode-step-ms`
 decode steps, prefills stalling decodes as in vLLM without chunked prefill), at
 `--decode-rps`; its figures add inter-token latency
-(mean, p50, p99 over every gap between a stream's content chunks) and the goal of
-issue 21 (split ITL p99 <= 0.7x colocated, mean TTFT <= 1.1x). With `--quick` it runs
+(mean, p50, p99 over every gap between a stream's content chunks) and the disaggregation
+goal (split ITL p99 <= 0.7x colocated, mean TTFT <= 1.1x). With `--quick` it runs
 only QuillCache's two rows and sglang-router cache_aware.
 Writes bench/results/live-<UTC>.json, live-latest.json and live-latest.png (with
 `--engine vllm`: live-vllm-<UTC>.json, live-vllm-latest.json and live-vllm-latest.png).

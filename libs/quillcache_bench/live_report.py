@@ -1,5 +1,5 @@
 """`quillcache bench-live`'s figures: one system's run summarised, the table of ratios
-against QuillCache, the goals of issue 19 (and of issue 21 on the decode-heavy
+against QuillCache, the live goals (and the disaggregation goal on the decode-heavy
 workload: QuillCache split against colocated), the JSON payload and the PNG. Pure but
 for `plot` (which writes the file)."""
 
@@ -157,7 +157,7 @@ def itl_table(runs: Sequence[Mapping]) -> str:
 
 
 def split_goals(runs: Sequence[Mapping]) -> list[dict]:
-    """Issue 21's goal per timed run with both QuillCache rows: split inter-token p99 at
+    """The disaggregation goal per timed run with both QuillCache rows: split inter-token p99 at
     most 0.7x colocated's, with mean TTFT at most 1.1x (judged at heavy load)."""
     out = []
     for run in runs:
@@ -185,7 +185,7 @@ def split_goals_text(found: Sequence[Mapping]) -> str:
     if not found:
         return ""
     lines = [
-        f"Goal (issue 21): {SPLIT} inter-token p99 <= {GOAL_ITL_P99}x {OURS}'s (colocated) "
+        f"Goal: {SPLIT} inter-token p99 <= {GOAL_ITL_P99}x {OURS}'s (colocated) "
         f"with mean TTFT <= {GOAL_TTFT_MEAN}x, at heavy load"
     ]
     for g in found:
@@ -198,7 +198,7 @@ def split_goals_text(found: Sequence[Mapping]) -> str:
 
 
 def goals(runs: Sequence[Mapping]) -> list[dict]:
-    """Issue 19's goals per run: ours <= 0.8x sglang-router cache_aware's mean TTFT,
+    """The live goals per run: ours <= 0.8x sglang-router cache_aware's mean TTFT,
     our engines' load max/mean <= 1.5, and our control path (gateway and conductors) at
     most 1 ms of CPU a request, judged on a run offered at least 100 requests/s
     (`rate_rps`; None below that)."""
@@ -230,7 +230,7 @@ def goals(runs: Sequence[Mapping]) -> list[dict]:
 
 def goals_text(found: Sequence[Mapping]) -> str:
     lines = [
-        f"Goals (issue 19): QuillCache mean TTFT <= {TTFT_GOAL}x {REFERENCE}'s, "
+        f"Goals: QuillCache mean TTFT <= {TTFT_GOAL}x {REFERENCE}'s, "
         f"engine load max/mean <= {LOAD_GOAL}, control path CPU <= {CPU_GOAL_MS:g} ms a "
         f"request (judged at >= {CPU_GOAL_RPS:g} requests/s)"
     ]

@@ -11,7 +11,7 @@ requested request rate) and the turns each session sends:
   pool of 6 open documents, 3-8 questions each, each question a request of its own
   (instruction, document, question);
 - mix: the two at once over 6 tenants, half the sessions each;
-- decode: decode-heavy, for prefill/decode disaggregation (issue 21): 4 tenants, each
+- decode: decode-heavy, for prefill/decode disaggregation: 4 tenants, each
   request one turn of its own (a tenant's short instruction, then a distinct task of
   500-900 words, about 1,000-1,800 tokens) asking for 200-400 output tokens with
   `ignore_eos` (the sim engine always writes `max_tokens`). Its samples keep the gaps

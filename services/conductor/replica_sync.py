@@ -15,7 +15,7 @@ Why a stream between replicas and not etcd or a message bus: a plan is answered 
 about a millisecond and the next plan on the other replica may come a millisecond
 later; a write to etcd per reservation is a Raft commit and an fsync (several
 milliseconds, thousands per second on the cluster's one coordination service, the
-very process whose stalls issue 18 is about), and NATS (Dynamo's way) is another
+very process whose stalls the replicas are there for), and NATS (Dynamo's way) is another
 process to run, secure and keep alive. The registry already lists the replicas with
 leases, and the stream reuses the cluster's mutual TLS and role guard.
 """

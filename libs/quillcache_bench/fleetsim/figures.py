@@ -15,7 +15,7 @@ OURS = "quillcache"
 BASELINE = "round-robin"
 ORACLE = "oracle"
 
-# The goals of issues 5 and 19, with their thresholds.
+# The fleet goals, with their thresholds.
 TTFT_VS_ROUND_ROBIN = 1 / 3
 TTFT_VS_BEST_REFERENCE = 0.8
 TTFT_VS_ORACLE = 1.3
