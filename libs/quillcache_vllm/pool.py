@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from quillcache_core.errors import NodeUnavailable, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store.client import StoreClient
-from quillcache_store.datapath.batch import BlockBatches
+from quillcache_store.datapath.batch import BlockBatches, deliver
 from quillcache_store.datapath.conn import UNIX_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -76,15 +76,6 @@ def _is_socket(path: str) -> bool:
     try:
         return stat.S_ISSOCK(os.stat(path).st_mode)
     except OSError:
-        return False
-
-
-def _offer(sink: Callable[[int, memoryview], bool], index: int, view: memoryview) -> bool:
-    """Whether `sink` took a block fetched over gRPC (a sink that fails has not)."""
-    try:
-        return bool(sink(index, view))
-    except Exception:
-        logger.exception("a loaded block could not be used")
         return False
 
 
@@ -233,7 +224,7 @@ class Pool:
             fetched = self._call(self._fetch_each([keys[i] for i in missing]))
             for i, payload in zip(missing, fetched, strict=True):
                 if payload is not None:
-                    taken[i] = _offer(sink, i, memoryview(payload).cast("B"))
+                    taken[i] = deliver(sink, i, memoryview(payload).cast("B"))
         return taken
 
     async def _fetch_each(self, keys: list[KvBlockKey]) -> list[bytes | None]:

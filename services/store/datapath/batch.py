@@ -27,7 +27,7 @@ from quillcache_store.datapath.conn import DataConnections
 from quillcache_store.datapath.put import read_ack_rest
 from quillcache_store.datapath.server import drain, recv_exactly, send_parts
 
-__all__ = ["BlockBatches"]
+__all__ = ["BlockBatches", "deliver"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class BlockBatches:
                 if recv_exactly(sock, view) < block.payload_len:
                     raise NodeUnavailable(f"data port {address} closed inside a block")
                 if payload_checksum(view) == block.checksum:
-                    taken[first + i] = _deliver(sink, first + i, view)
+                    taken[first + i] = deliver(sink, first + i, view)
         except (OSError, ConnectionError, QuillCacheError, InvalidArgument):
             if sock is not None:
                 sock.close()
@@ -172,7 +172,7 @@ class BlockBatches:
         self._conns.give_back(address, sock)
 
 
-def _deliver(sink: Callable[[int, memoryview], bool], index: int, view: memoryview) -> bool:
+def deliver(sink: Callable[[int, memoryview], bool], index: int, view: memoryview) -> bool:
     """Whether `sink` took the block; a sink that fails has not (the stream goes on)."""
     try:
         return bool(sink(index, view))
