@@ -184,6 +184,8 @@ def main(args) -> int:
             engine_kv_tokens=args.engine_kv_tokens,
             engine_options={i: {"connector_bypass_file": str(bypass)} for i in range(args.engines)},
             dram_capacity_bytes=dram,
+            # A pool node takes its memory when it starts, as an operator runs one.
+            extra_args={"store": ["--dram-prefault"]},
             # The routers cannot present client certificates to vLLM's one port: with vLLM
             # every system, ours included, runs in plaintext.
             insecure=True,

@@ -36,6 +36,12 @@ class StoreConfig(TlsSettings):
     node_id: str = opt("store-0", "this store node's id in the registry and in KV events")
     data_dir: str = opt("", "directory of the SSD tier (LMDB); required")
     dram_capacity_bytes: int = opt(1 * GIB, "DRAM tier budget in bytes")
+    dram_prefault: bool = opt(
+        False,
+        "take the DRAM tier's memory when the node starts (mapped and touched in the "
+        "background at the lowest CPU priority), so storing a block later costs no page "
+        "faults; the node's RSS is then its DRAM capacity",
+    )
     ssd_capacity_bytes: int = opt(8 * GIB, "SSD tier budget in bytes (records: header + payload)")
     locality_domain: str = opt("", "locality domain (rack, zone) announced in the registry")
     registry: str = opt(

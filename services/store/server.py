@@ -91,7 +91,7 @@ class StoreServer:
 
     def _open_tiers(self) -> TieredStore:
         cfg = self.config
-        dram = DramTier(cfg.dram_capacity_bytes)
+        dram = DramTier(cfg.dram_capacity_bytes, prefault=cfg.dram_prefault)
         ssd = SsdTier(
             os.path.join(cfg.data_dir, "ssd"),
             cfg.ssd_capacity_bytes,
@@ -325,6 +325,15 @@ class StoreServer:
         m.gauge("store_bytes", "payload bytes held, per tier", ["tier"], read=per_tier("bytes"))
         m.gauge("store_blocks", "blocks held, per tier", ["tier"], read=per_tier("blocks"))
         m.gauge("store_capacity_bytes", "tier budgets", ["tier"], read=per_tier("capacity"))
+        m.gauge(
+            "store_dram_prefault_bytes",
+            "DRAM tier memory touched up front (--dram-prefault), and of it carved into buffers",
+            ["state"],
+            read=lambda: [
+                (("touched",), tiered.dram.stats().get("prefault_bytes", 0)),
+                (("carved",), tiered.dram.stats().get("prefault_carved_bytes", 0)),
+            ],
+        )
         m.gauge("store_hits_total", "Gets served", read=lambda: [((), pooled.hits)])
         m.gauge("store_misses_total", "Gets answered NOT_FOUND", read=lambda: [((), pooled.misses)])
         m.gauge("store_demotions_total", "blocks demoted DRAM -> SSD", read=stat("demotions"))

@@ -269,3 +269,25 @@ def test_the_data_port_serves_only_stores_transfer_and_engines(lone_store):
         what="four refused connections",
     )
     assert lone_store.metric("quillcache_store_data_put_blocks_total") == 0
+
+
+def test_a_store_started_with_dram_prefault_takes_its_memory_and_stores_into_it(tmp_path):
+    """`--dram-prefault`: the node's DRAM capacity (32 MiB here) is touched after it
+    starts, and blocks put on the data port are stored in that memory, intact."""
+    with stores.lone_store(tmp_path, "--dram-prefault") as store:
+        touched = 'quillcache_store_dram_prefault_bytes{state="touched"}'
+        carved = 'quillcache_store_dram_prefault_bytes{state="carved"}'
+        wait_until(lambda: store.metric(touched) == 32 * MIB, what="32 MiB touched")
+        assert store.metric(carved) == 0
+        data = _data_address(store)
+        payloads = [kv_payload(700 + i, SHAPES["0.5MiB"]) for i in range(4)]
+        keys = [block_key(i, chain="prefault") for i in range(4)]
+
+        async def scenario():
+            async with StoreClient(store.grpc_address, data_address=data, tls=tls("engine")) as c:
+                for k, p in zip(keys, payloads, strict=True):
+                    await c.put(k, p)
+                return [(await c.get(k))[0] for k in keys]
+
+        assert run(scenario()) == payloads
+        assert store.metric(carved) == sum(len(p) for p in payloads)  # 0.5 MiB: its own class

@@ -4,7 +4,9 @@ Memory. Payloads live in pooled buffers of a size class (powers of two up to 64 
 then multiples of 64 KiB), so a 2 MiB block takes exactly 2 MiB. A freed buffer goes
 to a per-class free list and the next block of that class is copied into it: copying
 into a warm buffer runs at memcpy speed (~20-40 GB/s here), a fresh buffer costs its
-page faults (~2 GB/s). Buffers of 1 MiB and more are anonymous mmaps advised
+page faults (~1-2 GB/s): with `prefault` the tier's capacity is touched in the
+background when it starts and new buffers are carved from it (`dram_arena`). Otherwise
+buffers of 1 MiB and more are anonymous mmaps advised
 MADV_HUGEPAGE (best effort). The pool's total (buffers holding blocks, buffers still
 pinned after removal, free buffers, buffers being filled) never exceeds `capacity_bytes`:
 free buffers of other classes are dropped when a new buffer is needed.
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 from quillcache_core.errors import CapacityExceeded, InvalidArgument
 from quillcache_core.model import KvBlockKey
 from quillcache_store.blockcodec import CorruptBlock, payload_checksum
+from quillcache_store.tiers.dram_arena import DramArena
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -182,10 +185,14 @@ class PinnedBlock:
 class DramTier:
     """LRU byte budget over pooled buffers. See the module docstring for the protocol."""
 
-    def __init__(self, capacity_bytes: int, *, commit_wait_s: float = 30.0) -> None:
+    def __init__(
+        self, capacity_bytes: int, *, commit_wait_s: float = 30.0, prefault: bool = False
+    ) -> None:
         if capacity_bytes <= 0:
             raise InvalidArgument(f"DRAM capacity must be positive, got {capacity_bytes}")
         self._capacity = int(capacity_bytes)
+        # With `prefault`, new buffers are carved from memory touched in the background.
+        self._arena = DramArena(self._capacity) if prefault else None
         self._commit_wait_s = commit_wait_s
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -341,7 +348,7 @@ class DramTier:
                 exc.deleted = deleted  # the victims are gone all the same
                 raise
         if buf is None:
-            buf = _allocate(cls)
+            buf = (self._arena.carve(cls) if self._arena is not None else None) or _allocate(cls)
         try:
             write(memoryview(buf)[:nbytes])
         except BaseException as exc:
@@ -495,6 +502,9 @@ class DramTier:
         """Drop every free buffer; returns the bytes released."""
         with self._lock:
             freed = self._free_bytes
+            for bufs in self._free.values():
+                for buf in bufs:
+                    self._forget(buf)
             self._free.clear()
             self._free_bytes = 0
             self._dropped += freed
@@ -519,7 +529,7 @@ class DramTier:
                 "buffer_allocations": self._allocations,
                 "buffer_reuses": self._reuses,
                 "buffer_bytes_dropped": self._dropped,
-            }
+            } | (self._arena.stats() if self._arena is not None else {})
 
     # --- internals (lock held) -------------------------------------------------------
 
@@ -614,13 +624,18 @@ class DramTier:
         for cls in sorted(self._free, reverse=True):
             bufs = self._free[cls]
             while bufs and self._physical() > limit:
-                bufs.pop()
+                self._forget(bufs.pop())
                 self._free_bytes -= cls
                 self._dropped += cls
             if not bufs:
                 del self._free[cls]
             if self._physical() <= limit:
                 return
+
+    def _forget(self, buf) -> None:
+        """A free buffer dropped: one carved from the prefaulted arena gives its pages back."""
+        if self._arena is not None:
+            self._arena.release(buf)
 
     def _drop_corrupt(self, key: KvBlockKey, checksum: int) -> None:
         with self._cond:
