@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from quillcache_store.tiers.ssd_records import tune_malloc_for_large_values
+from quillcache_core.process.malloc import tune_malloc_for_large_values
 
 if TYPE_CHECKING:
     from quillcache_core.security.tls import Tls
@@ -129,7 +129,7 @@ def bare_grpc_server(port_queue, block_bytes: int, chunk_bytes: int) -> None:
         return total.to_bytes(8, "little")
 
     async def serve() -> None:
-        from quillcache_store.client import CHANNEL_OPTIONS
+        from quillcache_core.storeclient.client import CHANNEL_OPTIONS
 
         server = grpc.aio.server(options=CHANNEL_OPTIONS)
         handlers = {
@@ -149,7 +149,7 @@ async def bare_grpc(address: str, blocks: int, block_bytes: int, chunk_bytes: in
     """(one-call stream s, per-block down s, per-block up s) against the bare server."""
     import grpc.aio
 
-    from quillcache_store.client import CHANNEL_OPTIONS
+    from quillcache_core.storeclient.client import CHANNEL_OPTIONS
 
     channels = [grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for _ in range(clients)]
     downs = [c.unary_stream(f"/{_BARE}/Down") for c in channels]

@@ -247,7 +247,7 @@ class Canaries(threading.Thread):
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        from quillcache_store.client import StoreClient
+        from quillcache_core.storeclient.client import StoreClient
 
         tls = self._tls()
         clients = {a: StoreClient(a, tls=tls, timeout_s=2.0) for a in self.acked}
@@ -275,7 +275,7 @@ class Canaries(threading.Thread):
 
 
 async def _store_counts(endpoints: dict, tls) -> dict[str, dict]:
-    from quillcache_store.client import StoreClient
+    from quillcache_core.storeclient.client import StoreClient
 
     out = {}
     for address in endpoints["stores"]:
@@ -286,7 +286,7 @@ async def _store_counts(endpoints: dict, tls) -> dict[str, dict]:
 
 
 async def _lost(canaries: Canaries, tls) -> dict[str, int]:
-    from quillcache_store.client import StoreClient
+    from quillcache_core.storeclient.client import StoreClient
 
     lost = {}
     for address, keys in canaries.acked.items():

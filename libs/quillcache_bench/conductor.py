@@ -47,16 +47,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_bench.common import Progress, percentiles_us, render_table, write_results
-from quillcache_bench.secure import INSECURE_HELP, bench_certs, role_tls, security_args
-from quillcache_conductor.kv_translate import EngineEventTranslator
+from quillcache_bench.secure import INSECURE_HELP, bench_certs
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index import MemoryIndex
 from quillcache_core.kvevents.bulk_decode import decode_bulk
+from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.launch.etcd_server import EtcdServer, free_port
 from quillcache_core.process.heap import HeapSettler
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.plan_client import PlanClient
 from quillcache_core.rpc.plan_port import PlanPortClient
+from quillcache_core.security.credentials import role_tls, security_args
 from quillcache_core.security.tls import grpc_channel
 from quillcache_core.wire.plan import pack_hashes
 

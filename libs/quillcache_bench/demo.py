@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from quillcache_bench.common import render_table
-from quillcache_bench.secure import bench_certs, role_tls
+from quillcache_bench.secure import bench_certs
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index import MemoryIndex
 from quillcache_core.launch.etcd_server import EtcdServer
@@ -48,6 +48,7 @@ from quillcache_core.routing.actions import ActionKind
 from quillcache_core.routing.decide import plan_request
 from quillcache_core.routing.policy import Fleet
 from quillcache_core.routing.references import POLICY_NAMES, make_policy
+from quillcache_core.security.credentials import role_tls
 
 MODEL, TOKENIZER, BLOCK = "llama-3-8b", "llama-3", 16
 

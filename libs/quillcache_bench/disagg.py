@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from quillcache_bench.common import WORDS, render_table, write_results
-from quillcache_bench.secure import operator_context, tenant_context
 from quillcache_core.launch.cluster import LocalCluster
+from quillcache_core.security.credentials import operator_context, tenant_context
 
 GOAL_ITL_P99 = 0.7
 GOAL_TTFT_MEAN = 1.1

@@ -33,16 +33,16 @@ import aiohttp
 import numpy as np
 
 from quillcache_bench.common import Progress, render_table, write_results
-from quillcache_bench.secure import (
-    INSECURE_HELP,
+from quillcache_bench.secure import INSECURE_HELP
+from quillcache_core.launch.cluster import LocalCluster
+from quillcache_core.launch.etcd_server import EtcdServer
+from quillcache_core.security.certs import make_certs
+from quillcache_core.security.credentials import (
     as_gateway,
     operator_context,
     role_tls,
     tenant_context,
 )
-from quillcache_core.launch.cluster import LocalCluster
-from quillcache_core.launch.etcd_server import EtcdServer
-from quillcache_core.security.certs import make_certs
 from quillcache_core.security.tenants import tenant_salt
 
 MODES = ("plain", "stream")

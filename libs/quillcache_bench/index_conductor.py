@@ -32,9 +32,9 @@ from pathlib import Path
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_bench.common import Progress
 from quillcache_bench.index_traces import CLEAR, LOOKUP, PUT, REMOVE, Trace
-from quillcache_bench.secure import role_tls, security_args
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.plan_port import PlanPortClient
+from quillcache_core.security.credentials import role_tls, security_args
 from quillcache_core.security.tls import grpc_channel
 from quillcache_core.wire.plan import pack_hashes
 

@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quillcache_bench.common import WORDS, render_table, write_results
-from quillcache_bench.secure import INSECURE_HELP, as_gateway, operator_context
+from quillcache_bench.secure import INSECURE_HELP
 from quillcache_core.identity.keys import block_identity
 from quillcache_core.launch import vllm_env
 from quillcache_core.launch.cluster import LocalCluster
+from quillcache_core.security.credentials import as_gateway, operator_context
 
 MODES = ("recompute", "dram", "ssd", "peer")
 GOAL_DRAM_RATIO = 0.2

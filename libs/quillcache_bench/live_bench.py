@@ -103,8 +103,8 @@ from quillcache_bench.live_workloads import (
     drive,
     make_sessions,
 )
-from quillcache_bench.secure import tenant_context
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.security.credentials import tenant_context
 
 LOADS = ("light", "heavy")
 ALL_WORKLOADS = (*WORKLOADS, *CAPACITY_WORKLOADS)

@@ -55,7 +55,7 @@ from quillcache_bench.live_systems import (
     trees_cpu_s,
 )
 from quillcache_bench.live_workloads import Sample, Target, drive
-from quillcache_bench.secure import tenant_context
+from quillcache_core.security.credentials import tenant_context
 
 OURS = "quillcache"
 ROUTER_SYSTEMS = (

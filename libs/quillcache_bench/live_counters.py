@@ -5,7 +5,7 @@ lookups, and what the conductors learned."""
 from __future__ import annotations
 
 from quillcache_bench.live_systems import metric_sum, metric_text
-from quillcache_bench.secure import operator_context
+from quillcache_core.security.credentials import operator_context
 
 
 def metric_sums(endpoints: dict, url: str | None, names) -> dict[str, float]:

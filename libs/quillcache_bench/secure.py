@@ -12,11 +12,9 @@ processes get `--insecure`.
 
 from __future__ import annotations
 
-import ssl
 from pathlib import Path
 
 from quillcache_core.security.certs import make_certs
-from quillcache_core.security.tls import Tls
 
 INSECURE_HELP = (
     "measure the plaintext stack (no certificates, no role checks; development mode), "
@@ -27,44 +25,3 @@ INSECURE_HELP = (
 def bench_certs(directory: Path, insecure: bool = False) -> Path | None:
     """A CA and every role's certificate in `directory`/certs; None when insecure."""
     return None if insecure else make_certs(Path(directory) / "certs")
-
-
-def security_args(certs: Path | None) -> list[str]:
-    """The flags every `quillcache <service>` process needs."""
-    return ["--insecure"] if certs is None else ["--tls-dir", str(certs)]
-
-
-def role_tls(certs: Path | None, role: str) -> Tls | None:
-    """`role`'s certificates in `certs`; None when insecure."""
-    return None if certs is None else Tls.from_dir(certs, role)
-
-
-def operator_tls(endpoints: dict) -> Tls | None:
-    """The operator's certificates an endpoints file names (`quillcache up` writes
-    them under "tls"); None for an --insecure cluster."""
-    found = endpoints.get("tls")
-    if not found:
-        return None
-    return Tls(Path(found["ca"]), Path(found["cert"]), Path(found["key"]), "operator")
-
-
-def operator_context(endpoints: dict) -> ssl.SSLContext | None:
-    """For HTTPS to any cluster port that wants a client certificate (metrics, the
-    engines' open paths), as the operator."""
-    found = operator_tls(endpoints)
-    return found.client_context() if found else None
-
-
-def tenant_context(endpoints: dict) -> ssl.SSLContext | None:
-    """What a tenant has: the CA to verify the gateway by, no client certificate."""
-    found = endpoints.get("tls")
-    return ssl.create_default_context(cafile=found["ca"]) if found else None
-
-
-def as_gateway(certs: Path | None) -> tuple[ssl.SSLContext | None, dict[str, str]]:
-    """What calling an engine straight takes, as the gateway does: the gateway's
-    certificate and the engine credential (both in the cluster's certificate dir)."""
-    gateway = role_tls(certs, "gateway")
-    if gateway is None:
-        return None, {}
-    return gateway.client_context(), {"Authorization": f"Bearer {gateway.engine_key()}"}

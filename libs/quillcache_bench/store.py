@@ -78,9 +78,10 @@ from quillcache_bench.baselines import (
     raw_tcp,
 )
 from quillcache_bench.common import Progress, render_table, write_results
-from quillcache_bench.secure import INSECURE_HELP, bench_certs, role_tls, security_args
+from quillcache_bench.secure import INSECURE_HELP, bench_certs
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.tiers.ssd_records import tune_malloc_for_large_values
+from quillcache_core.process.malloc import tune_malloc_for_large_values
+from quillcache_core.security.credentials import role_tls, security_args
 
 MIB = 1024 * 1024
 DURABLE = "durable put to SSD, data port (group commit)"
@@ -189,7 +190,7 @@ async def _timed(clients, blocks: int, op: Callable[[object, int], Awaitable[Non
 async def store_figures(
     address: str, args, payloads, scratch: Path, progress: Progress, certs: Path | None = None
 ) -> dict[str, list[float]]:
-    from quillcache_store.client import StoreClient
+    from quillcache_core.storeclient.client import StoreClient
 
     n, size = args.blocks, args.block_bytes
     engine = role_tls(certs, "engine")  # who puts and gets blocks: the KV connector
@@ -272,7 +273,7 @@ async def _wait_indexed(
 ) -> None:
     from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
     from quillcache_core.security.tls import grpc_channel
-    from quillcache_store import wire
+    from quillcache_core.storeclient import wire
 
     async with grpc_channel(conductor, role_tls(certs, "operator")) as channel:
         stub = conductor_pb2_grpc.ConductorStub(channel)
@@ -303,8 +304,8 @@ async def peer_figures(
 ) -> dict[str, list[float]]:
     from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
     from quillcache_core.security.tls import grpc_channel
-    from quillcache_store import wire
-    from quillcache_store.client import StoreClient
+    from quillcache_core.storeclient import wire
+    from quillcache_core.storeclient.client import StoreClient
 
     n, size = args.blocks, args.block_bytes
     keys = [_key(i, "peer") for i in range(n)]

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import NodeUnavailable, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.client import StoreClient
-from quillcache_store.datapath.batch import BlockBatches, deliver
-from quillcache_store.datapath.conn import UNIX_PREFIX
+from quillcache_core.storeclient.client import StoreClient
+from quillcache_core.storeclient.datapath.batch import BlockBatches, deliver
+from quillcache_core.storeclient.datapath.conn import UNIX_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import contextlib
 import logging
 
 from quillcache.v1 import conductor_pb2
-from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_conductor.state import ConductorState
 from quillcache_conductor.zmq_sub import EngineSubscriber
 from quillcache_core.errors import InvalidArgument
@@ -27,6 +26,7 @@ from quillcache_core.kvevents.events import (
     EngineBlockStored,
     EventError,
 )
+from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.model import CacheTier, IdentityScope
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord

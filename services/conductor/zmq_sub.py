@@ -1,6 +1,6 @@
 """Subscribe to one engine's KV events over ZMQ (vLLM's and SGLang's publisher).
 
-Wire (ANCHORS.md): a PUB socket sends 3 frames per batch: topic, sequence number
+Wire (vLLM's `ZmqEventPublisher`, vllm/distributed/kv_events.py): a PUB socket sends 3 frames per batch: topic, sequence number
 (8-byte big-endian, from 0), msgpack payload. A ROUTER socket replays buffered
 batches: the client (a DEALER) sends (b"", start sequence as 8-byte BE) and receives,
 after the empty delimiter, one (topic, sequence, payload) message per buffered batch at

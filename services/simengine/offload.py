@@ -50,7 +50,7 @@ FETCH_CONCURRENCY = 16  # blocks of one engine being read at once
 
 
 class StoreLike(Protocol):
-    """The part of `quillcache_store.client.StoreClient` the engine uses."""
+    """The part of `quillcache_core.storeclient.client.StoreClient` the engine uses."""
 
     async def put(
         self,
@@ -73,7 +73,7 @@ StoreFactory = Callable[[str, float], StoreLike]
 
 def default_store_factory(address: str, timeout_s: float, tls=None) -> StoreLike:
     """A StoreClient, over mutual TLS as the engine when `tls` is given."""
-    from quillcache_store.client import StoreClient
+    from quillcache_core.storeclient.client import StoreClient
 
     return StoreClient(address, timeout_s=timeout_s, tls=tls)
 

@@ -31,6 +31,8 @@ from quillcache_core.errors import QuillCacheError
 from quillcache_core.identity.tokenize import BuiltinTokenizer, Tokenizer, load_tokenizers
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, NodeRegistry, open_registry
+from quillcache_core.registry.records import record_data_address
+from quillcache_core.storeclient.datapath.batch import BlockBatches
 from quillcache_simengine.completions import CompletionRoutes, json_error
 from quillcache_simengine.config import STORE_WRITES, SimEngineConfig
 from quillcache_simengine.engine import SimEngine
@@ -39,8 +41,6 @@ from quillcache_simengine.kvcache import PrefixCache
 from quillcache_simengine.offload import BlockMover, StoreFactory, default_store_factory
 from quillcache_simengine.openai_api import ApiError
 from quillcache_simengine.scheduler import Scheduler
-from quillcache_store.datapath.batch import BlockBatches
-from quillcache_store.links import record_data_address
 
 # Counters only, no request content: any cluster certificate may read them.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/sim/stats"})

@@ -22,12 +22,13 @@ from quillcache.v1 import (
 )
 from quillcache_core.errors import NodeUnavailable, NotFound
 from quillcache_core.model import KvBlockKey
-from quillcache_core.registry import NodeRecord, NodeRegistry
+from quillcache_core.registry import NodeRegistry
+from quillcache_core.registry.records import record_data_address
 from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tls import Tls, grpc_channel
+from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.client import CHANNEL_OPTIONS, StoreClient, domain_error
 from quillcache_core.wire.tiers import tier_from_proto
-from quillcache_store import wire
-from quillcache_store.client import CHANNEL_OPTIONS, StoreClient, domain_error
 from quillcache_store.pooled import PeerLocation
 
 log = logging.getLogger(__name__)
@@ -185,12 +186,6 @@ class TransferLink:
 
 
 DATA_ADDRESS_TTL_S = 5.0
-
-
-def record_data_address(record: NodeRecord) -> str:
-    """A store record's block-data address ("" if it has none). Records written by
-    nodes older than the `data_address` field carry it in `extra`."""
-    return record.data_address or str(record.extra.get("data_address") or "")
 
 
 class PeerStores:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import Corrupt, NodeUnavailable, NotFound, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.blockcodec import payload_checksum
+from quillcache_core.storeclient.blockcodec import payload_checksum
 from quillcache_store.tiers.tiered import TieredStore
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from quillcache.v1 import conductor_pb2
-from quillcache_store import wire
+from quillcache_core.storeclient import wire
 from quillcache_store.tiers.tiered import STORED, TierEvent
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from quillcache_core.rpc.server import (
     start_metrics_app,
     start_server,
 )
-from quillcache_store.client import MAX_MESSAGE_BYTES
+from quillcache_core.storeclient.client import MAX_MESSAGE_BYTES
 from quillcache_store.config import StoreConfig
 from quillcache_store.datapath.pull import BlockPuller
 from quillcache_store.datapath.server import BlockDataServer

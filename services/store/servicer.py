@@ -26,9 +26,9 @@ from quillcache.v1 import store_pb2
 from quillcache_core.errors import CapacityExceeded, InvalidArgument, QuillCacheError
 from quillcache_core.model import CacheTier
 from quillcache_core.rpc.server import stream_errors, unary_errors
+from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.datapath import protocol as dataproto
 from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
-from quillcache_store import wire
-from quillcache_store.datapath import protocol as dataproto
 from quillcache_store.datapath.pull import BlockPuller, OutcomeBatches, PullOutcome
 from quillcache_store.pooled import PooledStore
 from quillcache_store.tiers.tiered import TieredStore

@@ -50,9 +50,9 @@ from quillcache.v1 import store_pb2
 from quillcache_core.errors import QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.rpc.server import status_for
+from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.client import StoreClient
 from quillcache_core.wire.tiers import tier_to_proto
-from quillcache_store import wire
-from quillcache_store.client import StoreClient
 
 log = logging.getLogger(__name__)
 

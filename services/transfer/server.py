@@ -8,6 +8,7 @@ import time
 import grpc
 
 from quillcache.v1 import transfer_pb2_grpc
+from quillcache_core.process.malloc import tune_malloc_for_large_values
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.server import (
@@ -17,8 +18,7 @@ from quillcache_core.rpc.server import (
     start_metrics_app,
     start_server,
 )
-from quillcache_store.client import MAX_MESSAGE_BYTES
-from quillcache_store.tiers.ssd_records import tune_malloc_for_large_values
+from quillcache_core.storeclient.client import MAX_MESSAGE_BYTES
 from quillcache_transfer.config import TransferConfig
 from quillcache_transfer.mover import TransferStats
 from quillcache_transfer.servicer import SERVICE_NAME, TransferServicer

@@ -9,12 +9,12 @@ from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
 from quillcache_core.errors import InvalidArgument, NotFound
 from quillcache_core.model import CacheTier
 from quillcache_core.registry import NodeRegistry
+from quillcache_core.registry.records import record_data_address
 from quillcache_core.rpc.server import stream_errors
 from quillcache_core.security.tls import Tls
+from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.client import StoreClient
 from quillcache_core.wire.tiers import tier_from_proto
-from quillcache_store import wire
-from quillcache_store.client import StoreClient
-from quillcache_store.links import record_data_address
 from quillcache_transfer.config import TransferConfig
 from quillcache_transfer.mover import Progress, TransferOptions, TransferStats, run_transfer
 

@@ -20,14 +20,8 @@ from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
 from quillcache_core.launch.cluster import LocalCluster
-from tests.support.cluster import (
-    as_gateway,
-    conductor_channel,
-    https,
-    openai_client,
-    salt_of,
-    tenant_context,
-)
+from quillcache_core.security.credentials import as_gateway, tenant_context
+from tests.support.cluster import conductor_channel, https, openai_client, salt_of
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

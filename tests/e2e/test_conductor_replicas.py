@@ -13,9 +13,9 @@ import pytest
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_core.launch.cluster import LocalCluster
+from quillcache_core.security.credentials import operator_tls
 from quillcache_core.security.tls import grpc_channel
 from tests.e2e.test_cluster import chat, client_for
-from tests.support.cluster import operator_tls
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -21,7 +21,8 @@ import urllib.request
 import pytest
 
 from quillcache_core.launch.cluster import LocalCluster
-from tests.support.cluster import https, tenant_context
+from quillcache_core.security.credentials import tenant_context
+from tests.support.cluster import https
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -23,9 +23,9 @@ import pytest
 from quillcache_bench.live_systems import process_tree
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.vllm_engine import VLLM_NICE
+from quillcache_core.security.credentials import tenant_context
 from tests.e2e.test_vllm import env, post, text  # noqa: F401 - env is the fixture
 from tests.e2e.test_vllm_connector import connector, metric
-from tests.support.cluster import tenant_context
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -28,9 +28,10 @@ from quillcache_core.identity.keys import request_blocks
 from quillcache_core.identity.tokenize import BuiltinTokenizer
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.etcd_server import find_etcd_binary
+from quillcache_core.security.credentials import tenant_context
 from quillcache_core.security.tls import Tls, grpc_channel
-from quillcache_store.client import StoreClient
-from tests.support.cluster import https, openai_client, salt_of, tenant_context
+from quillcache_core.storeclient.client import StoreClient
+from tests.support.cluster import https, openai_client, salt_of
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

@@ -23,8 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from quillcache_bench import chaos
 from quillcache_core.launch.cluster import Child, LocalCluster
 from quillcache_core.launch.supervisor import Supervisor, pinned_ports
+from quillcache_core.security.credentials import operator_tls, tenant_context
 from quillcache_core.security.tls import grpc_channel
-from tests.support.cluster import openai_client, operator_tls, tenant_context
+from tests.support.cluster import openai_client
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -29,7 +29,8 @@ from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
 from quillcache_core.launch import vllm_env
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.vllm_engine import free_port
-from tests.support.cluster import as_gateway, conductor_channel, https, openai_client, salt_of
+from quillcache_core.security.credentials import as_gateway
+from tests.support.cluster import conductor_channel, https, openai_client, salt_of
 from tests.support.services import wait_until
 from tests.support.zmq_relay import DroppingRelay
 

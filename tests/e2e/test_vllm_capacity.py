@@ -16,6 +16,7 @@ import urllib.request
 import pytest
 
 from quillcache_core.launch.cluster import LocalCluster
+from quillcache_core.security.credentials import as_gateway
 from tests.e2e.test_vllm import (
     ask,
     engine_stats,
@@ -25,7 +26,7 @@ from tests.e2e.test_vllm import (
     text,
 )
 from tests.e2e.test_vllm_connector import connector, external_hits, metric
-from tests.support.cluster import as_gateway, https
+from tests.support.cluster import https
 from tests.support.etcdctl import etcdctl
 from tests.support.services import wait_until
 

@@ -18,7 +18,7 @@ import pytest
 from quillcache_core.identity.keys import block_identity
 from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
 from quillcache_core.launch.cluster import LocalCluster
-from quillcache_store.blockcodec import storage_key
+from quillcache_core.storeclient.blockcodec import storage_key
 from tests.e2e.test_vllm import (
     ask,
     cached,

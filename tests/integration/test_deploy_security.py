@@ -1,4 +1,4 @@
-"""The deployment files are secure by default (issue 17), checked offline and live.
+"""The deployment files are secure by default, checked offline and live.
 
 - docker-compose.yml: the one-shot `certs` service makes the CA, every role's
   certificate and the shared secrets into a volume every other service mounts

@@ -29,7 +29,7 @@ from quillcache_core.model import CacheResidency, CacheTier, CostModel
 from quillcache_core.registry import EtcdRegistry, MemoryRegistry, NodeRecord
 from quillcache_core.routing.actions import ActionKind
 from quillcache_core.routing.planner import CostPlanner
-from quillcache_store.client import StoreClient
+from quillcache_core.storeclient.client import StoreClient
 from tests.support.etcdctl import etcdctl, paused
 from tests.support.services import ServiceProcess, wait_until
 from tests.support.stores import Fleet, block_key

@@ -19,7 +19,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_conductor.zmq_sub import EngineSubscriber
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
@@ -31,6 +30,7 @@ from quillcache_core.kvevents.events import (
     EngineBlockRemoved,
     EngineBlockStored,
 )
+from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.registry import EtcdRegistry
 from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_simengine.kvbytes import kv_payload
@@ -40,9 +40,6 @@ from tests.support.tls import client_context, engine_auth, gateway_session, tls
 pytestmark = pytest.mark.integration
 
 MODEL, TOKENIZER, BS = "sim-model", "builtin-v1", 16
-STORE_AVAILABLE = (
-    Path(__file__).resolve().parents[2] / "services" / "store" / "__main__.py"
-).exists()
 
 
 class SimEngineProcess(ServiceProcess):
@@ -363,11 +360,10 @@ def lone_store_a(tmp_path: Path):
     return store.start(timeout_s=20.0)
 
 
-@pytest.mark.skipif(not STORE_AVAILABLE, reason="services/store has no service entry point yet")
 def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
     engine_factory, tmp_path: Path
 ):
-    from quillcache_store.client import StoreClient
+    from quillcache_core.storeclient.client import StoreClient
 
     with lone_store_a(tmp_path) as store:
         address = store.grpc_address
@@ -432,11 +428,10 @@ def test_evicted_blocks_land_in_the_store_and_a_fetch_plan_skips_recompute(
         run(scenario())
 
 
-@pytest.mark.skipif(not STORE_AVAILABLE, reason="services/store has no service entry point yet")
 def test_computed_blocks_are_saved_and_another_engine_fetches_them(engine_factory, tmp_path: Path):
     """The default: as the KV connector does, a prompt's computed blocks go to the store
     node after its prefill, with nothing evicted; a second engine then loads them."""
-    from quillcache_store.client import StoreClient
+    from quillcache_core.storeclient.client import StoreClient
 
     with lone_store_a(tmp_path) as store:
         address = store.grpc_address

@@ -10,8 +10,8 @@ import pytest
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
 from quillcache_core.launch.vllm_engine import free_port
 from quillcache_core.model import CacheTier
-from quillcache_store.client import StoreClient
-from quillcache_store.datapath.batch import BlockBatches
+from quillcache_core.storeclient.client import StoreClient
+from quillcache_core.storeclient.datapath.batch import BlockBatches
 from tests.support import stores
 from tests.support.stores import MIB, SHAPES, block_key, kv_payload, run
 from tests.support.tls import tls

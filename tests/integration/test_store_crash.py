@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from quillcache_store.blockcodec import payload_checksum
+from quillcache_core.storeclient.blockcodec import payload_checksum
 from quillcache_store.tiers.ssd import SsdTier
 
 pytestmark = pytest.mark.integration

@@ -14,10 +14,10 @@ import pytest
 from quillcache_core.errors import Corrupt, InvalidArgument, NotFound
 from quillcache_core.model import CacheTier
 from quillcache_core.registry import EtcdRegistry
-from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.client import StoreClient
-from quillcache_store.datapath import protocol as dataproto
-from quillcache_store.datapath.server import recv_exactly
+from quillcache_core.storeclient.blockcodec import payload_checksum
+from quillcache_core.storeclient.client import StoreClient
+from quillcache_core.storeclient.datapath import protocol as dataproto
+from quillcache_core.storeclient.datapath.sockets import recv_exactly
 from tests.support import stores
 from tests.support.services import wait_until
 from tests.support.stores import MIB, SHAPES, block_key, kv_payload, run
@@ -210,7 +210,7 @@ def test_a_changed_payload_is_refused_through_the_client(lone_store):
     """The client's checksum travels with the put: a payload that differs from it (here
     a buffer changed between checksum and send, as a racing writer would) is refused."""
     data = _data_address(lone_store)
-    from quillcache_store.datapath.put import BlockPusher
+    from quillcache_core.storeclient.datapath.put import BlockPusher
 
     payload = bytearray(kv_payload(7, SHAPES["0.5MiB"]))
     checksum = payload_checksum(payload)

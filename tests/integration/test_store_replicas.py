@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from quillcache_core.model import CacheTier
-from quillcache_store.client import StoreClient
+from quillcache_core.storeclient.client import StoreClient
 from tests.support.services import wait_until
 from tests.support.stores import block_key, kv_payload, locate, run
 from tests.support.tls import tls

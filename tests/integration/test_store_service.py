@@ -19,9 +19,9 @@ import pytest
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, store_pb2
 from quillcache_core.errors import CapacityExceeded, Corrupt, InvalidArgument, NotFound
 from quillcache_core.model import CacheTier
-from quillcache_store import wire
-from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.client import StoreClient
+from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.blockcodec import payload_checksum
+from quillcache_core.storeclient.client import StoreClient
 from tests.support import stores
 from tests.support.etcdctl import put_engine
 from tests.support.services import wait_until

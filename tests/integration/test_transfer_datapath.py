@@ -11,12 +11,12 @@ import pytest
 
 from quillcache.v1 import store_pb2, store_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from quillcache_core.model import CacheTier
+from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.blockcodec import payload_checksum
+from quillcache_core.storeclient.client import StoreClient
+from quillcache_core.storeclient.datapath import protocol as dataproto
+from quillcache_core.storeclient.datapath.sockets import recv_exactly
 from quillcache_core.wire.tiers import tier_to_proto
-from quillcache_store import wire
-from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.client import StoreClient
-from quillcache_store.datapath import protocol as dataproto
-from quillcache_store.datapath.server import recv_exactly
 from tests.support.stores import SHAPES, block_key, kv_payload, run
 from tests.support.tls import tls
 

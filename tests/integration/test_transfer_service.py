@@ -15,8 +15,8 @@ import pytest
 from quillcache.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
 from quillcache_core.errors import NotFound
 from quillcache_core.model import CacheTier
-from quillcache_store import wire
-from quillcache_store.client import StoreClient
+from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.client import StoreClient
 from tests.support.services import wait_until
 from tests.support.stores import SHAPES, block_key, kv_payload, locate, run
 from tests.support.tls import client_context, tls

@@ -11,7 +11,7 @@ import pytest
 
 from quillcache_core.launch.vllm_engine import free_port
 from quillcache_core.model import CacheTier
-from quillcache_store.client import StoreClient
+from quillcache_core.storeclient.client import StoreClient
 from quillcache_vllm.pool import Pool
 from tests.support import stores
 from tests.support.services import wait_until

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from quillcache_conductor.kv_translate import ApplyResult, EngineEventTranslator
 from quillcache_conductor.zmq_sub import EngineSubscriber
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.events import DecodedBatch
+from quillcache_core.kvevents.translate import ApplyResult, EngineEventTranslator
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.storeclient import wire
 from quillcache_core.wire.tiers import tier_from_proto
-from quillcache_store import wire
 from tests.support.services import ServiceProcess
 
 MIB = 1024 * 1024

@@ -6,7 +6,11 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
+
 from quillcache_bench.chaos import Fault, pid_listening_on, summarize
+
+pytestmark = pytest.mark.unit
 
 
 def test_failures_within_a_second_of_a_fault_are_not_late():

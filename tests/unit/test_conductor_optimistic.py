@@ -22,6 +22,8 @@ from quillcache_core.routing.planner import CostPlanner
 from quillcache_core.wire.plan import pack_hashes
 from tests.unit.factories import MODEL, TENANT, TOKENIZER, make_request
 
+pytestmark = pytest.mark.unit
+
 
 class Clock:
     def __init__(self) -> None:

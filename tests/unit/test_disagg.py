@@ -19,6 +19,9 @@ from quillcache_core.routing.planner import CostPlanner
 from quillcache_simengine.scheduler import Scheduler
 from tests.unit.factories import MODEL, TOKENIZER, make_request
 
+pytestmark = pytest.mark.unit
+
+
 COST = CostModel()
 SETTINGS = disagg.DisaggSettings()
 
@@ -33,7 +36,6 @@ def choose(request, d, d_role, others, *, usable=(), bps=1e9, mode="auto", setti
     return disagg.choose(COST, settings, request, d, d_role, ttft, others, usable, bandwidth, mode)
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     ("blocks", "out", "running", "bps", "mode", "split", "why"),
     [
@@ -60,7 +62,6 @@ def test_split_or_colocated_follows_the_cost_model(blocks, out, running, bps, mo
     assert (choice.prefill.id if choice.prefill else None) == ("p" if split else None)
 
 
-@pytest.mark.unit
 def test_a_decode_only_engine_is_split_whenever_someone_can_prefill():
     request = make_request(4, decode_tokens=2)
     choice = choose(request, engine("d"), "decode", [(engine("p"), "prefill")])
@@ -77,7 +78,6 @@ def test_a_decode_only_engine_is_split_whenever_someone_can_prefill():
     assert not off.split
 
 
-@pytest.mark.unit
 def test_what_the_engines_hold_is_neither_recomputed_nor_moved():
     request = make_request(16, decode_tokens=256)
     d, p = engine("d", running=8, store="s-d"), engine("p", store="s-p")
@@ -95,7 +95,6 @@ def test_what_the_engines_hold_is_neither_recomputed_nor_moved():
     assert not held.split and "holds the prompt" in held.reason
 
 
-@pytest.mark.unit
 def test_a_prefill_engine_on_the_decode_engines_store_node_moves_nothing():
     request = make_request(16, decode_tokens=256)
     d = engine("d", store="s-0")
@@ -105,7 +104,6 @@ def test_a_prefill_engine_on_the_decode_engines_store_node_moves_nothing():
     assert choose(request, d, "decode", [(far, "prefill")], bps=50e6).transfer_blocks > 0
 
 
-@pytest.mark.unit
 def test_a_blocks_move_costs_what_the_last_transfers_measured():
     bw = disagg.Bandwidth(500e6)
     assert bw.block_us(2 << 20) == pytest.approx((2 << 20) / 500e6 * 1e6)  # assumed
@@ -134,7 +132,6 @@ def record(node: str, role: str) -> NodeRecord:
     )
 
 
-@pytest.mark.unit
 def test_a_split_plan_reserves_the_prompt_on_the_prefill_engine_and_decoding_on_the_other():
     state = ConductorState(
         MemoryIndex(), CostPlanner(COST), clock=lambda: 10.0, rng=random.Random(1)
@@ -161,7 +158,6 @@ def test_a_split_plan_reserves_the_prompt_on_the_prefill_engine_and_decoding_on_
     assert not colocated.split.split and colocated.prefill_reservation_id == ""
 
 
-@pytest.mark.unit
 def test_an_engine_role_is_part_of_its_record():
     rec = record("e", "decode")
     assert NodeRecord.from_json("engine", "e", rec.to_json()).role == "decode"
@@ -173,7 +169,6 @@ def test_an_engine_role_is_part_of_its_record():
         NodeRecord.from_json("engine", "e", b'{"role": 3}')
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("stalls", [False, True])
 def test_a_sim_engines_prefill_stalls_its_running_decodes_when_asked(stalls):
     """The sim engine's step model: with --prefill-stalls-decodes, a prefill that runs
@@ -211,7 +206,6 @@ def test_a_sim_engines_prefill_stalls_its_running_decodes_when_asked(stalls):
         assert max(gaps) < 0.02 and times[-1] < 0.05
 
 
-@pytest.mark.unit
 def test_a_fleet_of_both_engines_is_split_only_when_asked():
     request = make_request(16, decode_tokens=256)
     d, p = engine("d", running=8), engine("p")

@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_core.identity.keys import block_identity
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.bulk import bulk_from_events, split_blocks, split_keys, sub_key
 from quillcache_core.kvevents.decode import decode_batch
+from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.model import CacheResidency, CacheTier, KvBlockKey
 from quillcache_core.routing.decide import whole_engine_blocks
 from tests.support.vllm_publisher import HASH_STYLES, VllmEventEncoder

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillcache.v1 import common_pb2, conductor_pb2
-from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_core.identity.tokenize import BuiltinTokenizer, HfTokenizer, render_chat
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.decode import decode_batch
+from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord
 from quillcache_core.wire.engine_plan import EnginePlan, FetchAction

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.bulk_decode import decode_bulk
 from quillcache_core.kvevents.decode import decode_batch
 from quillcache_core.kvevents.events import DecodedBatch, EngineBlockRemoved, EngineBlockStored
+from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.model import CacheTier, KvBlockKey
 from tests.support.vllm_publisher import HASH_STYLES, VllmEventEncoder
 

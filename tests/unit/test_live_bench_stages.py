@@ -3,7 +3,11 @@ kind of plan's TTFT against its estimate."""
 
 from __future__ import annotations
 
+import pytest
+
 from quillcache_bench.live_counters import STAGES, stage_means
+
+pytestmark = pytest.mark.unit
 
 
 def snapshot(scale: float, count: float) -> dict[str, float]:

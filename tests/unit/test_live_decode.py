@@ -1,10 +1,12 @@
-"""bench-live's decode-heavy workload (issue 21): its sessions, the inter-token gaps read
+"""bench-live's decode-heavy workload: its sessions, the inter-token gaps read
 from a stream, the ITL figures and the split goal; the sim scheduler's prefill start."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+
+import pytest
 
 from quillcache_bench.disagg import inter_token_s, latency_ms
 from quillcache_bench.live_report import (
@@ -19,6 +21,8 @@ from quillcache_bench.live_report import (
 from quillcache_bench.live_systems import EngineCounters
 from quillcache_bench.live_workloads import Sample, _Timed, make_sessions
 from quillcache_simengine.scheduler import Scheduler
+
+pytestmark = pytest.mark.unit
 
 
 def test_decode_sessions_are_single_long_outputs_with_distinct_prompts():

@@ -1,8 +1,10 @@
-"""bench-live's verdict on issue 19's goals: TTFT against sglang-router cache_aware, the
+"""bench-live's verdict on its goals: TTFT against sglang-router cache_aware, the
 engines' load, and the control path's CPU a request, judged only on a run offered the
 goal's rate."""
 
 from __future__ import annotations
+
+import pytest
 
 from quillcache_bench.live_report import (
     CPU_GOAL_RPS,
@@ -15,6 +17,8 @@ from quillcache_bench.live_report import (
 )
 from quillcache_bench.live_systems import EngineCounters
 from quillcache_bench.live_workloads import Sample
+
+pytestmark = pytest.mark.unit
 
 
 def _samples(n: int) -> list[Sample]:

@@ -12,6 +12,8 @@ from quillcache_conductor.replica_sync import ReplicaLog, _opened_to_proto, open
 from tests.unit.factories import make_request
 from tests.unit.test_conductor_optimistic import engine_record, make_state
 
+pytestmark = pytest.mark.unit
+
 
 class Wire:
     """A's listener: each open and close goes to B's PeerLoad through the protos."""

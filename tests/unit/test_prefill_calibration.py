@@ -27,6 +27,8 @@ from quillcache_core.routing.planner import CostPlanner
 from tests.unit.factories import MODEL, make_request
 from tests.unit.test_conductor_optimistic import Clock, engine_record
 
+pytestmark = pytest.mark.unit
+
 
 def samples(us_per_token: float, intercept_us: float, n: int, seed: int = 0):
     rng = random.Random(seed)

@@ -8,6 +8,8 @@ import pytest
 
 from quillcache_core.identity.prefix_memo import PrefixMemo
 
+pytestmark = pytest.mark.unit
+
 
 def _words(rng: random.Random, n: int) -> str:
     return " ".join(f"w{rng.randrange(1000)}" for _ in range(n))

@@ -16,6 +16,8 @@ from quillcache_core.identity.hashing import (
 from quillcache_core.identity.prefix_memo import common_prefix
 from quillcache_core.wire.plan import pack_hashes
 
+pytestmark = pytest.mark.unit
+
 A = identity_digest("m", "t", None, "tenant-a")
 B = identity_digest("m", "t", None, "tenant-b")
 

@@ -12,6 +12,8 @@ import uvloop
 
 from quillcache_core.process.service import run_service
 
+pytestmark = pytest.mark.unit
+
 
 class _Probe:
     def __init__(self) -> None:

@@ -10,13 +10,13 @@ import itertools
 import numpy as np
 import pytest
 
-from quillcache_conductor.kv_translate import EngineEventTranslator
 from quillcache_core.errors import NotFound
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.identity.tokenize import BuiltinTokenizer, render_chat
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.decode import decode_batch
 from quillcache_core.kvevents.events import EngineAllCleared, EngineBlockRemoved, EngineBlockStored
+from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_simengine.engine import SimEngine

@@ -8,8 +8,8 @@ import pytest
 
 from quillcache_core.errors import Corrupt, InvalidArgument
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.datapath import protocol as dataproto
+from quillcache_core.storeclient.blockcodec import payload_checksum
+from quillcache_core.storeclient.datapath import protocol as dataproto
 from quillcache_store.tiers.dram import DramTier
 from quillcache_store.tiers.ssd import SsdTier
 from quillcache_store.tiers.tiered import TieredStore
@@ -166,7 +166,7 @@ def test_acks_round_trip_and_refuse_nonsense():
 
 
 def test_an_ssd_record_buffer_is_stored_as_it_is(store):
-    from quillcache_store.blockcodec import header_length
+    from quillcache_core.storeclient.blockcodec import header_length
 
     data = bytes(range(256)) * 1024
     digest = payload_checksum(data)
@@ -182,7 +182,7 @@ def test_an_ssd_record_buffer_is_stored_as_it_is(store):
 
 def test_a_record_carries_its_data_address_and_old_records_still_resolve():
     from quillcache_core.registry import NodeRecord
-    from quillcache_store.links import record_data_address
+    from quillcache_core.registry.records import record_data_address
 
     rec = NodeRecord("store", "s1", "h:1", "", data_address="h:7100")
     back = NodeRecord.from_json("store", "s1", rec.to_json())

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from quillcache_core.model import KvBlockKey
-from quillcache_store.blockcodec import payload_checksum
+from quillcache_core.storeclient.blockcodec import payload_checksum
 from quillcache_store.tiers.dram import DramTier
 from quillcache_store.tiers.dram_arena import DramArena
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from quillcache_core.registry import NodeRecord
 from quillcache_store.replicas import ConductorReplicas
+
+pytestmark = pytest.mark.unit
 
 
 def _conductor(id_: str, port: int, start: float) -> NodeRecord:

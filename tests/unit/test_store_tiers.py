@@ -13,8 +13,8 @@ import pytest
 
 from quillcache_core.errors import CapacityExceeded, Corrupt, InvalidArgument, NotFound
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store import blockcodec
-from quillcache_store.blockcodec import (
+from quillcache_core.storeclient import blockcodec
+from quillcache_core.storeclient.blockcodec import (
     CorruptBlock,
     decode,
     decode_header,

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from quillcache.v1 import common_pb2, store_pb2
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.storeclient import wire
 from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
-from quillcache_store import wire
 
 pytestmark = pytest.mark.unit
 

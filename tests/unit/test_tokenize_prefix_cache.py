@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from quillcache_core.identity.prefix_memo import common_prefix as _common_prefix
 from quillcache_core.identity.tokenize import (
     PREFIX_KEY_CHARS,
     BuiltinTokenizer,
 )
+
+pytestmark = pytest.mark.unit
 
 ALPHABET = ["w", "x", "é", "7", "_", " ", "  ", "\n", "\t", ".", ",", "!", "<|im_end|>", "ß"]
 

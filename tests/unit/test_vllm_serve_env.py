@@ -12,6 +12,8 @@ import pytest
 
 from quillcache_core.launch.vllm_engine import engine_cores, niced, serve_env
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("engines", "expected"),

@@ -32,8 +32,8 @@ import aiohttp
 import numpy as np
 
 from quillcache_bench.common import Progress, read_chat_stream, render_table, write_results
-from quillcache_bench.secure import operator_tls, tenant_context
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.security.credentials import operator_tls, tenant_context
 
 REQUEST_TIMEOUT_S = 120.0
 

@@ -1,7 +1,7 @@
 """The general decoder: one vLLM/SGLang KV-event payload (msgpack) into normalized events.
 
 Pure: no sockets, no clock. `decode_batch(payload)` accepts every encoding seen in the
-wild (see ANCHORS.md, "vLLM KV events on the wire"):
+wild (vLLM's publisher, `vllm/distributed/kv_events.py`, and SGLang's):
 
 - the batch as a positional array `[ts, events, data_parallel_rank?]` or as a map
   `{"ts", "events", "data_parallel_rank" | "attn_dp_rank"}`;

@@ -217,3 +217,9 @@ def diff_records(
         elif old != rec:
             events.append(NodeEvent(UPDATE, rec))
     return events
+
+
+def record_data_address(record: NodeRecord) -> str:
+    """A store record's block-data address ("" if it has none). Records written by
+    nodes older than the `data_address` field carry it in `extra`."""
+    return record.data_address or str(record.extra.get("data_address") or "")

@@ -18,8 +18,8 @@ docs/router/kv_cache_routing.md). Minimum wins:
 
 Defaults `overlap_score_weight` 1.0, `router_temperature` 0 (argmin, random tie-break),
 KV events on. Overlap comes from KV events; credit = 1.0 per device block, 0.75 per
-host block, 0.25 per disk block of the contiguous prefix (the newer tiered credit,
-../shared/ANCHORS.md). The active-sequence tracking is the router's own: a request's
+host block, 0.25 per disk block of the contiguous prefix (the newer tiered credit of
+Dynamo's lib/kv-router). The active-sequence tracking is the router's own: a request's
 prefill tokens (ISL less the credit on its engine) count from routing to its first
 token, its blocks (each counted once per engine however many requests share it) from
 routing to its end. Choice: the blocks of generated tokens are not added (the engines
@@ -28,7 +28,7 @@ here never make them resident); the partial last block counts as a block.
 **llm-d inference scheduler** (llm-d/llm-d-inference-scheduler
 pkg/plugins/scorer/precise_prefix_cache.go and utils.go; gateway-api-inference-extension
 queue and kv-cache-utilization scorers; weights precise-prefix 3, kv-cache-utilization 2,
-queue 2 as in ANCHORS.md and llm-d's precise-prefix deployment configs). Maximum wins,
+queue 2 as in llm-d's precise-prefix deployment configs). Maximum wins,
 ties at random (max-score-picker):
 
     S_w = 2 * queue_w + 2 * (1 - kv_usage_w) + 3 * prefix_w
@@ -43,8 +43,8 @@ interval (a little fresher than a timer: the stronger reading). The index is KV 
 (device and CPU-tier blocks: an engine's own store node is its CPU tier) plus
 speculative entries (speculativeIndexing on, as the precise-prefix guide recommends):
 at routing the chosen engine is recorded as holding all the request's blocks until the
-entries' TTL (defaultSpeculativeTTL, 30 s; ANCHORS.md says about 2 s, the source
-wins), so a repeat lands there before any event; a BlockRemoved event does not remove
+entries' TTL (defaultSpeculativeTTL, 30 s in the source; some of
+llm-d's prose says about 2 s: the source wins), so a repeat lands there before any event; a BlockRemoved event does not remove
 a speculative entry.
 
 **SGLang router, cache_aware** (sgl-project/sglang sgl-router/src/policies/cache_aware.rs,

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.security.tls import Tls
-from quillcache_store.blockcodec import CorruptBlock, payload_checksum
-from quillcache_store.datapath import protocol as dataproto
-from quillcache_store.datapath.conn import DataConnections
-from quillcache_store.datapath.server import is_timeout, recv_exactly
+from quillcache_core.storeclient.blockcodec import CorruptBlock, payload_checksum
+from quillcache_core.storeclient.datapath import protocol as dataproto
+from quillcache_core.storeclient.datapath.conn import DataConnections
+from quillcache_core.storeclient.datapath.sockets import is_timeout, recv_exactly
 from quillcache_store.tiers.tiered import TieredStore
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import CapacityExceeded, InvalidArgument
 from quillcache_core.model import KvBlockKey
-from quillcache_store.blockcodec import CorruptBlock, payload_checksum
+from quillcache_core.storeclient.blockcodec import CorruptBlock, payload_checksum
 from quillcache_store.tiers.dram_arena import DramArena
 
 KIB = 1024

@@ -55,20 +55,15 @@ import lmdb
 
 from quillcache_core.errors import CapacityExceeded, InvalidArgument, NodeUnavailable
 from quillcache_core.model import KvBlockKey
-from quillcache_store.blockcodec import (
+from quillcache_core.process.malloc import tune_malloc_for_large_values
+from quillcache_core.storeclient.blockcodec import (
     CorruptBlock,
     decode_header,
     encode,
     payload_checksum,
     storage_key,
 )
-from quillcache_store.tiers.ssd_records import (
-    MIB,
-    _Meta,
-    _Op,
-    _Prepared,
-    tune_malloc_for_large_values,
-)
+from quillcache_store.tiers.ssd_records import MIB, _Meta, _Op, _Prepared
 from quillcache_store.tiers.ssd_writer import GroupCommitWriter
 
 log = logging.getLogger(__name__)

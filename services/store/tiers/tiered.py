@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from quillcache_core.errors import CapacityExceeded, Corrupt, InvalidArgument, NotFound
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.blockcodec import CorruptBlock, header_length, payload_checksum
+from quillcache_core.storeclient.blockcodec import CorruptBlock, header_length, payload_checksum
 from quillcache_store.tiers.dram import DramTier, Reservation
 from quillcache_store.tiers.ssd import SsdTier
 

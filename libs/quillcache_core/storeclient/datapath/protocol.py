@@ -74,7 +74,11 @@ from quillcache_core.errors import (
     NotFound,
 )
 from quillcache_core.model import CacheTier, KvBlockKey
-from quillcache_store.blockcodec import MAX_IDENTITY_BYTES, decode_identity, encode_identity
+from quillcache_core.storeclient.blockcodec import (
+    MAX_IDENTITY_BYTES,
+    decode_identity,
+    encode_identity,
+)
 
 REQUEST_MAGIC = b"QCDQ"
 BLOCK_MAGIC = b"QCDB"

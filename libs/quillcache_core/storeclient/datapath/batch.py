@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.security.tls import Tls
-from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.datapath import protocol as dataproto
-from quillcache_store.datapath.conn import DataConnections
-from quillcache_store.datapath.put import read_ack_rest
-from quillcache_store.datapath.server import drain, recv_exactly, send_parts
+from quillcache_core.storeclient.blockcodec import payload_checksum
+from quillcache_core.storeclient.datapath import protocol as dataproto
+from quillcache_core.storeclient.datapath.conn import DataConnections
+from quillcache_core.storeclient.datapath.put import read_ack_rest
+from quillcache_core.storeclient.datapath.sockets import drain, recv_exactly, send_parts
 
 __all__ = ["BlockBatches", "deliver"]
 

@@ -39,10 +39,10 @@ from quillcache_core.errors import Corrupt, InvalidArgument, NodeUnavailable, Qu
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tls import Tls, grpc_channel
+from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.blockcodec import payload_checksum
+from quillcache_core.storeclient.datapath.put import BlockPusher
 from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
-from quillcache_store import wire
-from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.datapath.put import BlockPusher
 
 log = logging.getLogger(__name__)
 

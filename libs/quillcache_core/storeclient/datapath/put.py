@@ -20,10 +20,10 @@ from __future__ import annotations
 from quillcache_core.errors import NodeUnavailable
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.security.tls import Tls
-from quillcache_store.blockcodec import payload_checksum
-from quillcache_store.datapath import protocol as dataproto
-from quillcache_store.datapath.conn import DataConnections
-from quillcache_store.datapath.server import is_timeout, recv_exactly, send_parts
+from quillcache_core.storeclient.blockcodec import payload_checksum
+from quillcache_core.storeclient.datapath import protocol as dataproto
+from quillcache_core.storeclient.datapath.conn import DataConnections
+from quillcache_core.storeclient.datapath.sockets import is_timeout, recv_exactly, send_parts
 
 _IDLE_PER_ADDRESS = 8
 

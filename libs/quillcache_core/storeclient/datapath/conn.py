@@ -17,7 +17,7 @@ import threading
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable
 from quillcache_core.security.tls import Tls
-from quillcache_store.datapath.server import tune_socket
+from quillcache_core.storeclient.datapath.sockets import tune_socket
 
 UNIX_PREFIX = "unix:"  # an address naming a node's Unix socket, not a host:port
 
