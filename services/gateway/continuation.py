@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from quillcache_core.wire import engine_plan
+
 # Fields that mean the same for the continuation as for the client's request: passed on.
 CARRIED = frozenset(
     {
@@ -177,24 +179,9 @@ def continuation_body(payload: Mapping, first: FirstToken, salt: str, plan: dict
         body["min_tokens"] = max(0, min_tokens - first.completion_tokens)
     body["cache_salt"] = salt
     params = payload.get("kv_transfer_params")
-    body["kv_transfer_params"] = {
-        **(params if isinstance(params, dict) else {}),
-        "quillcache": plan,
-    }
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def continued_plan(plan: dict, first: FirstToken) -> dict:
-    """The engine's plan for a continuation: how many of its prompt's ids are the
-    client's prompt, and how many output tokens the rest are (an engine that models its
-    output from the prompt, as the sim engine, needs it; vLLM's connector ignores it)."""
-    return {
-        **plan,
-        "continues": {
-            "prompt_tokens": len(first.prompt_token_ids),
-            "output_tokens": first.completion_tokens,
-        },
-    }
+    if isinstance(params, dict):
+        body["kv_transfer_params"] = params
+    return json.dumps(engine_plan.attach(body, plan), separators=(",", ":")).encode()
 
 
 def merged_usage(first: FirstToken, usage: Mapping) -> dict:

@@ -42,6 +42,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -50,17 +51,18 @@ from quillcache.v1 import common_pb2, conductor_pb2, transfer_pb2, transfer_pb2_
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import open_registry
 from quillcache_core.security.tls import Tls, grpc_channel
+from quillcache_core.wire import engine_plan
 from quillcache_core.wire.keys import key_to_proto
 from quillcache_gateway.continuation import (
     FirstToken,
     StreamShaper,
     continuable,
     continuation_body,
-    continued_plan,
     read_first_token,
     whole_answer,
 )
 from quillcache_gateway.errors import ApiError
+from quillcache_gateway.reservations import OpenPlans
 from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamError, UpstreamReply
 
 logger = logging.getLogger(__name__)
@@ -105,12 +107,7 @@ def prefill_body(payload: dict, salt: str, plan: dict) -> bytes:
     body["stream"] = False
     body["return_token_ids"] = True
     body["cache_salt"] = salt
-    params = body.get("kv_transfer_params")
-    body["kv_transfer_params"] = {
-        **(params if isinstance(params, dict) else {}),
-        "quillcache": plan,
-    }
-    return json.dumps(body, separators=(",", ":")).encode()
+    return json.dumps(engine_plan.attach(body, plan), separators=(",", ":")).encode()
 
 
 @dataclass(slots=True)
@@ -247,9 +244,18 @@ def _note_engine(notes: dict[str, str], plan) -> None:
     notes["x-quillcache-decode-engine"] = plan.engine_id
 
 
+@dataclass(frozen=True, slots=True)
+class SplitContext:
+    """What the disaggregator uses of the gateway: its engine connection pool's `post`,
+    its Finish queue's `submit_finish`, and its open plans (each Finished once)."""
+
+    post: Callable[..., Awaitable[UpstreamReply]]
+    submit_finish: Callable[[conductor_pb2.FinishRequest], None]
+    open_plans: OpenPlans
+
+
 class Disaggregator:
-    """The gateway's side of split plans. `post` and `submit_finish` are the gateway's
-    (its engine connection pool, its Finish queue)."""
+    """The gateway's side of split plans, given a `SplitContext` once the gateway runs."""
 
     def __init__(
         self,
@@ -264,6 +270,7 @@ class Disaggregator:
         self.tls = tls
         self.prefill_timeout_s = prefill_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self._context: SplitContext | None = None
         self._registry = None
         self._transfer: tuple[str, transfer_pb2_grpc.TransferStub, grpc.aio.Channel] | None = None
         self.splits = metrics.counter(
@@ -279,6 +286,16 @@ class Disaggregator:
         self.transfer_bytes = metrics.counter(
             "gateway_disagg_transfer_bytes_total", "KV bytes moved between store nodes for splits"
         )
+
+    def bind(self, context: SplitContext) -> None:
+        """What a split needs of the gateway, once it has started."""
+        self._context = context
+
+    def _finish(self, reservation_id: str, outcome: int) -> None:
+        if reservation_id:
+            self._context.submit_finish(
+                conductor_pb2.FinishRequest(reservation_id=reservation_id, outcome=outcome)
+            )
 
     async def close(self) -> None:
         if self._transfer is not None:
@@ -338,7 +355,7 @@ class Disaggregator:
 
     # --- one split request -----------------------------------------------------------
 
-    async def split(self, gateway, call, plan, path: str):
+    async def split(self, call, plan, path: str):
         """Carry out a split plan. Returns (plan, answer): `answer` None means the client's
         own request is to be sent to `plan`'s engine, as before splits (a prefill that
         failed, a request that cannot be continued: its first token is the decode
@@ -355,24 +372,24 @@ class Disaggregator:
             time.perf_counter(),
         )
         try:
-            return await self._split(gateway, call, plan, path, move)
+            return await self._split(call, plan, path, move)
         except BaseException:
             # The client left (or the gateway stops) mid-split: both reservations end now.
-            if gateway.open_plans.take(plan):
-                _finish(gateway, plan.reservation_id, CANCELLED)
+            if self._context.open_plans.take(plan):
+                self._finish(plan.reservation_id, CANCELLED)
             if not move.finished:
                 move.finished = True
-                _finish(gateway, plan.prefill_reservation_id, CANCELLED)
+                self._finish(plan.prefill_reservation_id, CANCELLED)
             raise
 
-    async def _split(self, gateway, call, plan, path: str, move: _Move):
+    async def _split(self, call, plan, path: str, move: _Move):
         started = move.started
         notes = call.notes
         notes["x-quillcache-prefill-engine"] = plan.prefill_engine_id
         notes["x-quillcache-decode-engine"] = plan.engine_id
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
-                ok, detail, data = await self._prefill_call(gateway, call, plan, path)
+                ok, detail, data = await self._prefill_call(call, plan, path)
         except TimeoutError:
             ok, detail, data = False, f"prefill slower than {self.prefill_timeout_s:g}s", b""
         move.prefill_ms = prefill_ms = (time.perf_counter() - started) * 1000
@@ -380,7 +397,7 @@ class Disaggregator:
         if not ok:
             # The decode engine computes the prompt itself: colocated there.
             move.finished = True
-            _finish(gateway, plan.prefill_reservation_id, ERROR)
+            self._finish(plan.prefill_reservation_id, ERROR)
             self.splits.inc(outcome="prefill_failed")
             logger.warning("split of %s: %s; decoding colocated", call.request_id, detail)
             notes["x-quillcache-prefill-engine"] = plan.engine_id
@@ -396,8 +413,8 @@ class Disaggregator:
                 f"decode; {why_not or 'the prefill engine gave no token ids'}"
             )
             await self._move(move)
-            if self._settle(gateway, call, plan, move):
-                self._finish_prefill(gateway, call, plan, move)
+            if self._settle(call, plan, move):
+                self._finish_prefill(call, plan, move)
                 self._fetch_actions(call, plan, move.moved, move.fetch_node)
             return plan, None
         self.first_tokens.inc(engine="prefill")
@@ -405,7 +422,7 @@ class Disaggregator:
         answer = SplitAnswer(first, job.payload)
         if first.ends_answer(job.payload):
             # Nothing to decode: the prefill engine's answer is the whole answer.
-            if not self._to_prefill_engine(gateway, plan, move, CANCELLED):
+            if not self._to_prefill_engine(plan, move, CANCELLED):
                 raise asyncio.CancelledError  # the request ended meanwhile
             _note_engine(notes, plan)
             notes[HEADER] = "colocated; the first token ended the answer"
@@ -416,21 +433,21 @@ class Disaggregator:
             # Nothing to move (one store node, or none): settled at once, so the headers
             # that go out with the first token say what is done.
             await self._move(move)
-            move.settled = self._settle(gateway, call, plan, move)
+            move.settled = self._settle(call, plan, move)
             if move.settled:
                 self._fetch_actions(call, plan, move.moved, move.fetch_node)
         else:
             # What the decode engine is to load, as the headers say it before the move.
             self._fetch_actions(call, plan, len(move.keys), move.destination)
             notes[HEADER] = f"split; {plan.disagg_reason.removeprefix('split; ')}"
-        continuation = self._continue(gateway, call, plan, answer, move)
+        continuation = self._continue(call, plan, answer, move)
         if job.stream:
             answer.start(continuation)  # the first token goes out now; the rest follows
         else:
             await answer.open(continuation)  # a whole answer's headers say what was done
         return plan, answer
 
-    async def _continue(self, gateway, call, plan, answer: SplitAnswer, move: _Move):
+    async def _continue(self, call, plan, answer: SplitAnswer, move: _Move):
         """Move the KV (if it must), then the continuation's call: on the decode engine,
         or on the prefill engine when the KV did not make it or the decode engine failed
         the call. Returns the engine's reply (status 200); one of UPSTREAM_ERRORS when
@@ -439,37 +456,37 @@ class Disaggregator:
         try:
             if move.settled is None:
                 await self._move(move)
-                move.settled = self._settle(gateway, call, plan, move)
+                move.settled = self._settle(call, plan, move)
             if move.settled:
                 self._fetch_actions(call, plan, move.moved, move.fetch_node)
                 try:
-                    reply = await self._post_continuation(gateway, call, plan, answer)
+                    reply = await self._post_continuation(call, plan, answer)
                 except UPSTREAM_ERRORS as exc:
                     reason = f"decode engine {plan.engine_id} failed: {_short(exc)}"
                     self.splits.inc(outcome="decode_failed")
                     logger.warning("split of %s: %s", call.request_id, reason)
-                    if not self._to_prefill_engine(gateway, plan, move, ERROR):
+                    if not self._to_prefill_engine(plan, move, ERROR):
                         raise
                     notes[HEADER] = f"colocated; fallback: {reason}"
                     _note_engine(notes, plan)
                 else:
-                    self._finish_prefill(gateway, call, plan, move)
+                    self._finish_prefill(call, plan, move)
                     return reply
             # The prefill engine holds the prompt and continues from the first token.
-            return await self._post_continuation(gateway, call, plan, answer)
+            return await self._post_continuation(call, plan, answer)
         finally:
             if not move.finished:
                 # Ended before the prefill's reservation was settled (the client left).
                 move.finished = True
-                _finish(gateway, plan.prefill_reservation_id, CANCELLED)
+                self._finish(plan.prefill_reservation_id, CANCELLED)
 
-    def _settle(self, gateway, call, plan, move: _Move) -> bool:
+    def _settle(self, call, plan, move: _Move) -> bool:
         """After the KV's move: True when the decode engine can load it (the prefill's
         reservation is the caller's to Finish), else the prefill engine decodes (its
         reservation becomes the plan's)."""
         notes = call.notes
         if move.moved == 0 and move.keys:
-            if not self._to_prefill_engine(gateway, plan, move, CANCELLED):
+            if not self._to_prefill_engine(plan, move, CANCELLED):
                 raise asyncio.CancelledError  # the request ended meanwhile
             self.splits.inc(outcome="transfer_failed")
             reason = move.reason or "no block moved"
@@ -486,7 +503,7 @@ class Disaggregator:
         notes[HEADER] = f"split; {plan.disagg_reason.removeprefix('split; ')}"
         return True
 
-    def _finish_prefill(self, gateway, call, plan, move: _Move) -> None:
+    def _finish_prefill(self, call, plan, move: _Move) -> None:
         """The prefill's reservation succeeded: Finish it with the transfer's measures."""
         move.finished = True
         finish = conductor_pb2.FinishRequest(
@@ -501,24 +518,24 @@ class Disaggregator:
             finish.identity.CopyFrom(call.ident.finish_identity)
             finish.observe_packed_hashes = call.packed
             finish.observe_block_tokens = call.block_size
-        gateway._finishes.submit(finish)  # noqa: SLF001 - the gateway's Finish queue
+        self._context.submit_finish(finish)
         self.transfer_bytes.inc(move.nbytes)
         self.splits.inc(outcome="split")
 
-    def _to_prefill_engine(self, gateway, plan, move: _Move, outcome: int) -> bool:
+    def _to_prefill_engine(self, plan, move: _Move, outcome: int) -> bool:
         """The prefill engine answers instead: `plan` (the object the gateway Finishes at
         the end) takes its reservation and engine; the decode engine's reservation ends
         with `outcome`. False when the plan was finished already (the request ended)."""
-        if not gateway.open_plans.take(plan):
+        if not self._context.open_plans.take(plan):
             return False
         move.finished = True
-        _finish(gateway, plan.reservation_id, outcome)
+        self._finish(plan.reservation_id, outcome)
         plan.reservation_id = plan.prefill_reservation_id
         plan.engine_id = plan.prefill_engine_id
         plan.engine_base_url = plan.prefill_engine_base_url
         del plan.actions[:]
         plan.fetch_blocks = 0
-        gateway.open_plans.add(plan)
+        self._context.open_plans.add(plan)
         return True
 
     @staticmethod
@@ -561,13 +578,15 @@ class Disaggregator:
             move.reason = move.reason or "the prefill engine has no store node"
         move.transfer_ms = (time.perf_counter() - move.started) * 1000 - move.prefill_ms
 
-    async def _post_continuation(self, gateway, call, plan, answer: SplitAnswer):
+    async def _post_continuation(self, call, plan, answer: SplitAnswer):
         """The continuation's call to `plan`'s engine; its reply once it answered 200."""
         first = answer.first
-        engine_plan = continued_plan(gateway._plan_json(plan, call), first)  # noqa: SLF001
+        plan_json = engine_plan.continued(
+            _plan_json(plan, call), len(first.prompt_token_ids), first.completion_tokens
+        )
         salt = call.ident.identity.cache_salt
-        body = continuation_body(call.job.payload, first, salt, engine_plan)
-        reply = await gateway._upstream.post(  # noqa: SLF001 - the gateway's engine pool
+        body = continuation_body(call.job.payload, first, salt, plan_json)
+        reply = await self._context.post(
             plan.engine_base_url.rstrip("/"),
             CONTINUATION_PATH,
             body,
@@ -581,17 +600,13 @@ class Disaggregator:
             reply.release()
         raise UpstreamError(f"the continuation was answered {reply.status}: {data[:200]!r}")
 
-    async def _prefill_call(self, gateway, call, plan, path: str) -> tuple[bool, str, bytes]:
-        engine_plan = gateway._plan_json(plan, call)  # noqa: SLF001 - the engine's plan shape
-        engine_plan.update(
-            reservation_id=plan.prefill_reservation_id,
-            engine_id=plan.prefill_engine_id,
-            fetch=[],
-            disagg="prefill",
+    async def _prefill_call(self, call, plan, path: str) -> tuple[bool, str, bytes]:
+        plan_json = engine_plan.for_prefill(
+            _plan_json(plan, call), plan.prefill_reservation_id, plan.prefill_engine_id
         )
-        body = prefill_body(call.job.payload, call.ident.identity.cache_salt, engine_plan)
+        body = prefill_body(call.job.payload, call.ident.identity.cache_salt, plan_json)
         try:
-            reply = await gateway._upstream.post(  # noqa: SLF001 - the gateway's engine pool
+            reply = await self._context.post(
                 plan.prefill_engine_base_url.rstrip("/"),
                 path,
                 body,
@@ -611,11 +626,8 @@ class Disaggregator:
         return True, "", data
 
 
-def _finish(gateway, reservation_id: str, outcome: int) -> None:
-    if reservation_id:
-        gateway._finishes.submit(  # noqa: SLF001 - the gateway's Finish queue
-            conductor_pb2.FinishRequest(reservation_id=reservation_id, outcome=outcome)
-        )
+def _plan_json(plan, call) -> dict:
+    return engine_plan.plan_json(plan, call.ident.identity, call.block_size, call.hashes)
 
 
 def _short(exc: BaseException) -> str:

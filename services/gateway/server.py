@@ -33,16 +33,15 @@ from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.identity.tokenize import (
     request_tokens,
 )
-from quillcache_core.model import CacheTier
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tenants import tenant_salt
 from quillcache_core.security.tls import role_of_cert
-from quillcache_core.wire.tiers import tier_from_proto
+from quillcache_core.wire import engine_plan
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.disagg import HEADER as DISAGG_HEADER
-from quillcache_gateway.disagg import Disaggregator, answer_headers, requested_mode
+from quillcache_gateway.disagg import Disaggregator, SplitContext, answer_headers, requested_mode
 from quillcache_gateway.errors import ApiError, from_domain, response
 from quillcache_gateway.fallback import PLAN_HEADER, SKIP, PlanFallback, is_fallback
 from quillcache_gateway.limits import TenantLimiter
@@ -224,6 +223,7 @@ class Gateway:
             tls=self.tls,
             engine_key=self.tls.engine_key() if self.tls else "",
         )
+        self.disagg.bind(SplitContext(self._upstream.post, self._finishes.submit, self.open_plans))
         app = web.Application(client_max_size=cfg.max_body_bytes)
         app.add_routes(
             [
@@ -498,12 +498,17 @@ class Gateway:
         for _attempt in range(self.config.upstream_retries + 1):
             plan = await self._plan(call, excluded)
             if plan.disagg == "split" and plan.prefill_engine_id and not is_fallback(plan):
-                plan, answer = await self.disagg.split(self, call, plan, path)  # disagg.py
+                plan, answer = await self.disagg.split(call, plan, path)  # disagg.py
                 if answer is not None:  # under way: its first token was the prefill's
                     return plan, answer
             sent = time.perf_counter()
             try:
-                body = upstream_body(job.raw, job.payload, call.ident, self._plan_json(plan, call))
+                body = upstream_body(
+                    job.raw,
+                    job.payload,
+                    call.ident,
+                    engine_plan.plan_json(plan, call.ident.identity, call.block_size, call.hashes),
+                )
                 upstream = await self._upstream.post(
                     plan.engine_base_url.rstrip("/"),
                     path,
@@ -600,42 +605,6 @@ class Gateway:
             raise
         self._finish_later(plan, outcome, ttft_s, call, observe=outcome == SUCCESS)
         return resp
-
-    def _plan_json(self, plan, call: _Call) -> dict:
-        """The engine's copy of the plan: EnginePlan.to_json's shape, built directly.
-
-        The reply's actions come as runs (action_runs): a FETCH run is expanded to one
-        entry per block, each with its own hash.
-        """
-        fetch = []
-        for a in plan.actions:
-            if a.kind != FETCH:
-                continue
-            tier = (tier_from_proto(a.source_tier) or CacheTier.CPU_DRAM).value
-            for index in range(a.block_index, a.block_index + (a.block_count or 1)):
-                fetch.append(
-                    {
-                        "block_index": index,
-                        "block_hash": call.hashes[index],
-                        "source_node": a.source_node,
-                        "source_address": a.source_address,
-                        "tier": tier,
-                    }
-                )
-        ident = call.ident
-        return {
-            "reservation_id": plan.reservation_id,
-            "engine_id": plan.engine_id,
-            "model_id": ident.identity.model_id,
-            "tokenizer_id": ident.identity.tokenizer_id,
-            "tenant_id": ident.identity.tenant_id,
-            "adapter_id": ident.identity.adapter_id,
-            "cache_salt": ident.identity.cache_salt,
-            "block_size": call.block_size,
-            "hit_blocks": plan.hit_blocks,
-            "recompute_blocks": plan.recompute_blocks,
-            "fetch": fetch,
-        }
 
     def _timed(self, ttft_s: float, slo_ms: int) -> None:
         self.ttft_sum.inc(ttft_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
+from quillcache_core.wire.engine_plan import attach
 
 
 def upstream_body(raw: bytes, payload: dict, ident, plan: dict) -> bytes:
@@ -33,9 +34,7 @@ def upstream_body(raw: bytes, payload: dict, ident, plan: dict) -> bytes:
         )
     body = dict(payload)
     body["cache_salt"] = ident.identity.cache_salt
-    params = body.get("kv_transfer_params")
-    body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), PLAN_FIELD: plan}
-    return json.dumps(body, separators=(",", ":")).encode()
+    return json.dumps(attach(body, plan), separators=(",", ":")).encode()
 
 
 def error_event(tail: bytes, engine_id: str) -> bytes:

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from quillcache_core.wire import engine_plan
 from quillcache_gateway.continuation import (
     StreamShaper,
     continuable,
     continuation_body,
-    continued_plan,
     read_first_token,
     whole_answer,
 )
@@ -114,7 +114,9 @@ def test_the_continuation_is_a_completion_over_the_prompt_and_the_first_token():
         "chat_template_kwargs": {"x": 1},
         "kv_transfer_params": {"other": 1},
     }
-    plan = continued_plan({"engine_id": "e1", "fetch": []}, first)
+    plan = engine_plan.continued(
+        {"engine_id": "e1", "fetch": []}, len(first.prompt_token_ids), first.completion_tokens
+    )
     body = json.loads(continuation_body(payload, first, "salt", plan))
     assert body["prompt"] == PROMPT_IDS + [42]
     assert body["max_tokens"] == 29 and body["min_tokens"] == 3

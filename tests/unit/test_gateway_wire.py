@@ -17,6 +17,7 @@ from quillcache_core.kvevents.decode import decode_batch
 from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord
+from quillcache_core.wire import engine_plan
 from quillcache_core.wire.engine_plan import EnginePlan, FetchAction
 from quillcache_core.wire.plan import pack_hashes
 from quillcache_gateway.conductor_calls import FinishQueue
@@ -191,6 +192,7 @@ def test_another_tenant_or_tokenizer_never_meets_those_keys():
 
 
 def test_plan_json_is_engine_plan_to_json_with_fetch_runs_expanded():
+    """The gateway's plan for the engine, from a conductor's reply (`engine_plan.plan_json`)."""
     gw = gateway()
     ident = gw._identity("acme", "sim-model", "builtin-v1")
     hashes = [f"{i:032x}" for i in range(10)]
@@ -252,7 +254,7 @@ def test_plan_json_is_engine_plan_to_json_with_fetch_runs_expanded():
             )
         ),
     )
-    got = gw._plan_json(plan, call)
+    got = engine_plan.plan_json(plan, ident.identity, call.block_size, call.hashes)
     assert got == expected.to_json()
     assert EnginePlan.from_json(json.loads(json.dumps(got))) == expected
 

@@ -1,17 +1,25 @@
-"""The plan the gateway attaches to an upstream engine request.
+"""The plan the gateway attaches to an upstream engine request, and its only codec.
 
 It travels in the OpenAI request body as `kv_transfer_params.quillcache` (vLLM's
 field for KV-connector parameters), so an engine knows which blocks to load from
 which store node instead of recomputing them, and whose blocks they are.
+
+Writers (the gateway, for a whole request, a split's prefill and its continuation):
+`plan_json(reply, identity, block_size, hashes)` turns a conductor's PlanReply into
+the engine's JSON without a Python object per block; `for_prefill` and `continued`
+derive a split's two calls from it; `attach(body, plan)` puts it into a request body.
+Readers (the vLLM connector, the sim engine): `EnginePlan.from_json`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+from quillcache.v1 import conductor_pb2
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import CacheTier, KvBlockKey
+from quillcache_core.wire.tiers import tier_from_proto
 
 FIELD = "quillcache"
 
@@ -74,3 +82,69 @@ class EnginePlan:
             block_index=action.block_index,
             token_count=self.block_size,
         )
+
+
+_FETCH = conductor_pb2.BlockAction.FETCH
+
+
+def plan_json(reply, identity, block_size: int, hashes: Sequence[str]) -> dict:
+    """The engine's copy of a conductor's plan (`reply`, a PlanReply or the gateway's
+    plan object: its reservation, engine, hit and recompute counts and actions), in
+    `EnginePlan.to_json`'s shape. `identity` is the request's block identity, `hashes`
+    its block hashes by index. A FETCH run is expanded to one entry per block."""
+    fetch = []
+    for action in reply.actions:
+        if action.kind != _FETCH:
+            continue
+        tier = (tier_from_proto(action.source_tier) or CacheTier.CPU_DRAM).value
+        node, address = action.source_node, action.source_address
+        for index in range(action.block_index, action.block_index + (action.block_count or 1)):
+            fetch.append(
+                {
+                    "block_index": index,
+                    "block_hash": hashes[index],
+                    "source_node": node,
+                    "source_address": address,
+                    "tier": tier,
+                }
+            )
+    return {
+        "reservation_id": reply.reservation_id,
+        "engine_id": reply.engine_id,
+        "model_id": identity.model_id,
+        "tokenizer_id": identity.tokenizer_id,
+        "tenant_id": identity.tenant_id,
+        "adapter_id": identity.adapter_id,
+        "cache_salt": identity.cache_salt,
+        "block_size": block_size,
+        "hit_blocks": reply.hit_blocks,
+        "recompute_blocks": reply.recompute_blocks,
+        "fetch": fetch,
+    }
+
+
+def for_prefill(plan: dict, reservation_id: str, engine_id: str) -> dict:
+    """A split's prefill call: the same request for the prefill engine's reservation,
+    nothing to fetch, its blocks to be in its store node when it answers."""
+    return {
+        **plan,
+        "reservation_id": reservation_id,
+        "engine_id": engine_id,
+        "fetch": [],
+        "disagg": "prefill",
+    }
+
+
+def continued(plan: dict, prompt_tokens: int, output_tokens: int) -> dict:
+    """The plan of a continuation: how many of its prompt's ids are the client's
+    prompt, and how many output tokens the rest are (an engine that models its output
+    from the prompt, as the sim engine, needs it; vLLM's connector ignores it)."""
+    return {**plan, "continues": {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens}}
+
+
+def attach(body: dict, plan: dict) -> dict:
+    """`body` (a request's JSON object, changed in place and returned) carrying `plan`
+    in `kv_transfer_params`, beside whatever else the client put there."""
+    params = body.get("kv_transfer_params")
+    body["kv_transfer_params"] = {**(params if isinstance(params, dict) else {}), FIELD: plan}
+    return body

@@ -1,0 +1,71 @@
+"""The engine's plan has one codec (`wire.engine_plan`): what the gateway writes for a
+request, a split's prefill and its continuation is what the connector and the sim
+engine read back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quillcache.v1 import common_pb2, conductor_pb2
+from quillcache_core.identity.keys import block_identity
+from quillcache_core.wire import engine_plan
+from quillcache_core.wire.engine_plan import EnginePlan
+
+pytestmark = pytest.mark.unit
+
+A = conductor_pb2.BlockAction
+IDENTITY = block_identity("m", "tok", cache_salt="salt-1")
+HASHES = [f"{i:032x}" for i in range(6)]
+
+
+def reply() -> conductor_pb2.PlanResponse:
+    return conductor_pb2.PlanResponse(
+        reservation_id="r-decode",
+        engine_id="e-decode",
+        hit_blocks=1,
+        fetch_blocks=2,
+        recompute_blocks=3,
+        actions=[
+            A(kind=A.LOCAL_HIT, block_index=0, block_count=1),
+            A(kind=A.FETCH, block_index=1, block_count=2, source_node="s1",
+              source_address="h:1", source_tier=common_pb2.TIER_LOCAL_SSD),
+            A(kind=A.RECOMPUTE, block_index=3, block_count=3),
+        ],
+    )  # fmt: skip
+
+
+def test_a_plan_reads_back_as_written_with_one_fetch_entry_a_block():
+    plan = EnginePlan.from_json(
+        json.loads(json.dumps(engine_plan.plan_json(reply(), IDENTITY, 16, HASHES)))
+    )
+    assert (plan.reservation_id, plan.engine_id, plan.block_size) == ("r-decode", "e-decode", 16)
+    assert (plan.tenant_id, plan.cache_salt) == (IDENTITY.tenant_id, "salt-1")
+    assert [(f.block_index, f.block_hash, f.tier) for f in plan.fetch] == [
+        (1, HASHES[1], "local_ssd"),
+        (2, HASHES[2], "local_ssd"),
+    ]
+    assert plan.disagg == ""
+
+
+def test_a_split_prefill_fetches_nothing_and_says_so():
+    base = engine_plan.plan_json(reply(), IDENTITY, 16, HASHES)
+    plan = EnginePlan.from_json(engine_plan.for_prefill(base, "r-prefill", "e-prefill"))
+    assert (plan.reservation_id, plan.engine_id, plan.fetch, plan.disagg) == (
+        "r-prefill", "e-prefill", (), "prefill"
+    )  # fmt: skip
+    assert base["engine_id"] == "e-decode" and base["fetch"]  # the decode plan is untouched
+
+
+def test_attach_keeps_the_clients_other_transfer_params_and_a_continuation_says_its_split():
+    plan = engine_plan.continued(engine_plan.plan_json(reply(), IDENTITY, 16, HASHES), 40, 1)
+    body = engine_plan.attach({"model": "m", "kv_transfer_params": {"other": 1}}, plan)
+    params = body["kv_transfer_params"]
+    assert params["other"] == 1
+    assert params[engine_plan.FIELD]["continues"] == {"prompt_tokens": 40, "output_tokens": 1}
+    assert EnginePlan.from_json(params[engine_plan.FIELD]).engine_id == "e-decode"
+    # A client's non-object kv_transfer_params is replaced, not merged.
+    assert engine_plan.attach({"kv_transfer_params": 3}, plan)["kv_transfer_params"] == {
+        engine_plan.FIELD: plan
+    }
