@@ -299,7 +299,7 @@ class ReplicaLog:
         what remains of its linger). The first message says snapshot."""
         state = self.state
         now = state.clock()
-        due = {res_id: at for at, res_id in state._prefill_due}
+        due = state.ledger.prefill_due_at()
         opened = [
             _opened_to_proto(
                 res.id,
@@ -313,7 +313,7 @@ class ReplicaLog:
             for res in state.reservations.values()
         ]
         closed = []
-        for until, res in state._lingering:
+        for until, res in state.ledger.lingering():
             if res.optimistic and until > now:
                 left = until - now  # (its TTL too: a tick between two messages keeps it)
                 opened.append(

@@ -8,13 +8,12 @@ the event loop only, no sockets.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import secrets
 from collections.abc import Sequence
 
 from quillcache_conductor.records import PlanOutcome, Reservation
-from quillcache_conductor.state import ConductorState, _serves
+from quillcache_conductor.state import ConductorState, serves
 from quillcache_core.model import RequestShape
 from quillcache_core.routing import disagg
 
@@ -39,7 +38,7 @@ def plan_split(
     candidates = [
         (info.state, info.record.role)
         for info in state.engines.values()
-        if info.state.id not in excluded and _serves(info.record, request.model_id)
+        if info.state.id not in excluded and serves(info.record, request.model_id)
     ]
     decode = decision.engine
     choice = disagg.choose(
@@ -62,11 +61,7 @@ def plan_split(
     in_blocks = sum(key.token_count for key in request.blocks)
     last = request.blocks[-1].token_count if request.blocks else 1
     tail = min(res.prefill_tokens, request.input_tokens() - in_blocks or last)
-    if not res.prefill_released:
-        decode.queued_prefill_tokens = max(
-            0, decode.queued_prefill_tokens - res.prefill_tokens + tail
-        )
-    res.prefill_tokens = tail
+    state.ledger.shrink_prefill(res, decode, tail)
     res.sample_tokens = -1  # its TTFT is the prefill engine's: no sample of this one's speed
     now = state.clock()
     prefill = Reservation(
@@ -77,15 +72,8 @@ def plan_split(
         created_s=now,
         expires_s=now + state.reservation_ttl_s,
     )
-    state.reservations[prefill.id] = prefill
-    worker = choice.prefill
-    worker.inflight_requests += 1
-    worker.running_decodes += 1  # released with the rest (ConductorState._release)
-    worker.queued_prefill_tokens += prefill.prefill_tokens
-    worker.inflight_blocks += prefill.blocks
     due = now + (choice.split_us - choice.transfer_us) / 1e6
-    heapq.heappush(state._prefill_due, (due, prefill.id))  # noqa: SLF001 - state's own heaps
-    heapq.heappush(state._expiry, (prefill.expires_s, prefill.id))  # noqa: SLF001
+    state.ledger.add(prefill, choice.prefill, due)
     if state.listener is not None:  # the other replicas count it too
         state.listener.opened(prefill, due - now)
     return PlanOutcome(outcome.reservation_id, decision, choice, prefill.id)

@@ -6,14 +6,13 @@ and the random generator are injected, so tests drive time and ties.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import random
 import secrets
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 from quillcache_conductor import overlay
+from quillcache_conductor.ledger import ReservationLedger
 from quillcache_conductor.listener import ReservationListener
 from quillcache_conductor.records import (
     OPTIMISTIC_LINGER_S,
@@ -84,7 +83,6 @@ class ConductorState:
         self.block_parts: dict[str, int] = {}
         self.engines: dict[str, EngineInfo] = {}
         self.stores: dict[str, NodeRecord] = {}
-        self.reservations: dict[str, Reservation] = {}
         # Block hash -> optimistic records of open reservations: what a planned request
         # is about to put in its engine's HBM, visible to the next plans at once.
         # Kept beside the index because most are taken back or replaced by the
@@ -94,11 +92,12 @@ class ConductorState:
         # Finished reservations whose overlay records wait for the engine's events:
         # (forget at, reservation), in Finish order.
         self.optimistic_linger_s = optimistic_linger_s
-        self._lingering: deque[tuple[float, Reservation]] = deque()
+        # This replica's open reservations, the load they hold, their overlay records.
+        self.ledger = ReservationLedger(
+            self.optimistic, resolve=self._engine_worker, on_release=self._released
+        )
         # Eligible engines per (model, excluded engines); dropped on any join or leave.
         self._fleets: dict[tuple[str, tuple[str, ...]], Fleet] = {}
-        self._prefill_due: list[tuple[float, str]] = []
-        self._expiry: list[tuple[float, str]] = []
         self.counters = Counters()
         # Engine id -> the registry start time its records were written under.
         self._epochs: dict[str, float] = index.worker_epochs()
@@ -163,10 +162,7 @@ class ConductorState:
         if known is None:
             return False
         dropped = self.index.clear_worker(record.id)
-        for res in self.reservations.values():
-            if res.engine_id == record.id:
-                self._forget_optimistic(res)
-        self._forget_lingering(record.id)
+        self.ledger.forget_engine(record.id)
         self.counters.restart_records_dropped += dropped
         logger.info(
             "engine %s restarted (start time %.3f, was %.3f): dropped its %d residency records",
@@ -252,13 +248,10 @@ class ConductorState:
         process."""
         if departure.kind == "engine":
             if restarted:
-                for res_id in [
-                    r.id for r in self.reservations.values() if r.engine_id == record.id
-                ]:
-                    res = self.reservations.pop(res_id)
-                    self._release(res)
+                for res in self.ledger.on_engine(record.id):
+                    self.ledger.close(res.id)
                     self._tell_closed(res, 0.0, resident=False)
-                    self._forget_optimistic(res)
+                    self.ledger.forget(res)
             elif departure.info is not None and record.id not in self.engines:
                 self.engines[record.id] = departure.info
         else:
@@ -279,11 +272,11 @@ class ConductorState:
         self.engines.pop(engine_id, None)
         self._update_block_parts()
         dropped = self.index.clear_worker(engine_id)
-        for res_id in [r.id for r in self.reservations.values() if r.engine_id == engine_id]:
-            res = self.reservations.pop(res_id)
+        for res in self.ledger.on_engine(engine_id):
+            self.ledger.drop(res.id)
             self._tell_closed(res, 0.0, resident=False)
-            self._forget_optimistic(res)
-        self._forget_lingering(engine_id)
+            self.ledger.forget(res)
+        self.ledger.forget_engine(engine_id)
         logger.info("engine %s left; dropped %d residency records", engine_id, dropped)
         return dropped
 
@@ -377,19 +370,13 @@ class ConductorState:
                 res.sample_fetch_us = decision.chosen.fetch_us / factor
         if self.policy.optimistic_residency:
             res.optimistic = self._record_optimistic(decision, request)
-        self.reservations[res.id] = res
-        worker.inflight_requests += 1
-        worker.running_decodes += 1
-        worker.queued_prefill_tokens += prefill_tokens
-        worker.inflight_blocks += res.blocks
         est_ttft_s = decision.chosen.est_ttft_us / 1e6
         if self.speeds is not None:  # the fixed part of a TTFT the engines showed
             est_ttft_s += self.speeds.intercept_us(request.model_id) / 1e6
         if first_token_reported:
             factor, margin_s = REPORTED_RELEASE
             est_ttft_s = factor * est_ttft_s + margin_s
-        heapq.heappush(self._prefill_due, (now + est_ttft_s, res.id))
-        heapq.heappush(self._expiry, (res.expires_s, res.id))
+        self.ledger.add(res, worker, now + est_ttft_s)
         if self.listener is not None:
             self.listener.opened(res, est_ttft_s)
         return PlanOutcome(res.id, decision)
@@ -398,11 +385,10 @@ class ConductorState:
         """The request's first token came after `ttft_s`: its prefill no longer counts on
         its engine, and its TTFT is learned now (not again at its Finish). False when
         the reservation is unknown (finished or expired)."""
-        res = self.reservations.get(reservation_id)
+        res = self.ledger.get(reservation_id)
         if res is None:
             return False
-        if not res.prefill_released:
-            self._release_prefill(res)
+        self.ledger.release_prefill(res)
         self._learn(res, ttft_s)
         if self.listener is not None:
             self.listener.prefilled(res)
@@ -434,7 +420,7 @@ class ConductorState:
         engines = [
             info.state
             for info in self.engines.values()
-            if info.state.id not in excluded and _serves(info.record, model_id)
+            if info.state.id not in excluded and serves(info.record, model_id)
         ]
         # A prefill-only engine never decodes while another engine can (disagg.py).
         if any(self.engines[e.id].record.role != "prefill" for e in engines):
@@ -462,10 +448,9 @@ class ConductorState:
         """
         if outcome not in OUTCOMES:
             raise InvalidArgument(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
-        res = self.reservations.pop(reservation_id, None)
+        res = self.ledger.close(reservation_id)
         if res is None:
             raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
-        self._release(res)
         info = self.engines.get(res.engine_id)
         success = outcome == "success"
         if success:
@@ -477,13 +462,13 @@ class ConductorState:
                 self.index.put_many(res.optimistic)
         elif success and res.optimistic and self.optimistic_linger_s > 0:
             # Its events are the truth, but may still be on their way.
-            self._lingering.append((self.clock() + self.optimistic_linger_s, res))
+            self.ledger.linger(res, self.clock() + self.optimistic_linger_s)
             self._tell_closed(res, self.optimistic_linger_s, resident=False)
             self.counters.finishes[outcome] += 1
             return res.engine_id
         else:
             self._tell_closed(res, 0.0, resident=False)
-        self._forget_optimistic(res)
+        self.ledger.forget(res)
         self.counters.finishes[outcome] += 1
         return res.engine_id
 
@@ -583,30 +568,16 @@ class ConductorState:
         self._release_due(self.clock())
 
     def _release_due(self, now: float) -> None:
-        lingering = self._lingering
-        while lingering and lingering[0][0] <= now:
-            self._forget_optimistic(lingering.popleft()[1])
-        if len(self._expiry) > 2 * len(self.reservations) + 1024:
-            # Finished reservations leave stale heap entries; rebuild from the open ones.
-            open_ = self.reservations.values()
-            self._expiry = [(r.expires_s, r.id) for r in open_]
-            heapq.heapify(self._expiry)
-            self._prefill_due = [e for e in self._prefill_due if e[1] in self.reservations]
-            heapq.heapify(self._prefill_due)
-        while self._prefill_due and self._prefill_due[0][0] <= now:
-            _, res_id = heapq.heappop(self._prefill_due)
-            res = self.reservations.get(res_id)
-            if res is not None and not res.prefill_released:
-                self._release_prefill(res)
-        while self._expiry and self._expiry[0][0] <= now:
-            _, res_id = heapq.heappop(self._expiry)
-            res = self.reservations.pop(res_id, None)
-            if res is not None:
-                self._release(res)
-                self._tell_closed(res, 0.0, resident=False)
-                self._forget_optimistic(res)
-                self.counters.reservations_expired += 1
-                logger.info("reservation %s on %s expired without Finish", res.id, res.engine_id)
+        for res in self.ledger.advance(now):
+            self._tell_closed(res, 0.0, resident=False)
+            self.ledger.forget(res)
+            self.counters.reservations_expired += 1
+            logger.info("reservation %s on %s expired without Finish", res.id, res.engine_id)
+
+    @property
+    def reservations(self) -> dict[str, Reservation]:
+        """The open reservations by id (read only: the ledger opens and closes them)."""
+        return self.ledger.open
 
     def engine_block_parts(self, engine_id: str) -> int:
         """Index blocks per block of the engine (its record's block size over ours; >= 1)."""
@@ -624,10 +595,7 @@ class ConductorState:
         no optimistic record may claim it there any longer, a finished request's
         lingering one or an open request's."""
         if block_hash is None:
-            self._forget_lingering(engine_id)
-            for res in self.reservations.values():
-                if res.engine_id == engine_id:
-                    self._forget_optimistic(res)
+            self.ledger.forget_engine(engine_id)
             return
         overlay.release(self.optimistic, engine_id, block_hash)
 
@@ -635,22 +603,7 @@ class ConductorState:
         if self.listener is not None:
             self.listener.closed(res, linger_s, resident)
 
-    def _forget_lingering(self, engine_id: str) -> None:
-        """Drop the overlay records finished requests left on `engine_id` (its cache is gone)."""
-        if any(res.engine_id == engine_id for _, res in self._lingering):
-            kept = deque()
-            for item in self._lingering:
-                if item[1].engine_id == engine_id:
-                    self._forget_optimistic(item[1])
-                else:
-                    kept.append(item)
-            self._lingering = kept
-
-    def _forget_optimistic(self, res: Reservation) -> None:
-        overlay.forget(self.optimistic, res.optimistic)
-        res.optimistic = []
-
-    def _engine_info(self, engine_id: str) -> EngineInfo | None:
+    def engine_info(self, engine_id: str) -> EngineInfo | None:
         """A live engine's entry, or that of an engine excluded during its leave grace
         (its reservations still release their load)."""
         info = self.engines.get(engine_id)
@@ -659,25 +612,12 @@ class ConductorState:
             info = departure.info if departure is not None else None
         return info
 
-    def _release_prefill(self, res: Reservation) -> None:
-        res.prefill_released = True
-        info = self._engine_info(res.engine_id)
-        if info is not None:
-            info.state.queued_prefill_tokens = max(
-                0, info.state.queued_prefill_tokens - res.prefill_tokens
-            )
+    def _engine_worker(self, res: Reservation) -> WorkerState | None:
+        info = self.engine_info(res.engine_id)
+        return info.state if info is not None else None
 
-    def _release(self, res: Reservation) -> None:
-        if not res.prefill_released:
-            self._release_prefill(res)
-        info = self._engine_info(res.engine_id)
-        if info is None:
-            return
-        state = info.state
-        state.inflight_requests = max(0, state.inflight_requests - 1)
-        state.running_decodes = max(0, state.running_decodes - 1)
-        state.inflight_blocks = max(0, state.inflight_blocks - res.blocks)
-        state.resident_blocks = self.index.worker_block_count(res.engine_id)
+    def _released(self, res: Reservation, worker: WorkerState) -> None:
+        worker.resident_blocks = self.index.worker_block_count(res.engine_id)
 
     def _check_request(self, request: RequestShape) -> None:
         for name in ("model_id", "tokenizer_id", "tenant_id"):
@@ -696,5 +636,5 @@ def publishes_events(record: NodeRecord) -> bool:
     return bool(record.kv_events_endpoint)
 
 
-def _serves(record: NodeRecord, model_id: str) -> bool:
+def serves(record: NodeRecord, model_id: str) -> bool:
     return not record.model or record.model == model_id
