@@ -126,7 +126,7 @@ class Gateway:
             config.block_size,
             config.plan_timeout_s,
             stats=lambda: self._stats,
-            upstream=lambda: self._upstream,
+            upstream=lambda: self.upstream,
         )
         self.metrics = MetricsRegistry()
         m = self.metrics
@@ -180,13 +180,18 @@ class Gateway:
         self.conductor: ConductorReplicas | None = None
         self._stats: ConductorReplicas | None = None
         self._finishes: FinishQueue | None = None
-        self._upstream: UpstreamPool | None = None
+        self.upstream: UpstreamPool | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
         self._identities: dict[tuple[str, str, str], _Identity] = {}
         # Request ids: 24 hex digits, a random per-process half and a counter.
         self._id_prefix = secrets.token_hex(6)
         self._ids = itertools.count()
+
+    @property
+    def http_server(self) -> web.Server | None:
+        """The aiohttp server answering clients (None until started)."""
+        return self._runner.server if self._runner is not None else None
 
     def _goodput(self):
         timed = self.ttft_count.get()
@@ -216,14 +221,14 @@ class Gateway:
             max_hold_s=cfg.finish_hold_ms / 1000,
         )
         self._finishes.start()
-        self._upstream = UpstreamPool(
+        self.upstream = UpstreamPool(
             connect_timeout_s=cfg.upstream_connect_timeout_s,
             total_timeout_s=cfg.upstream_timeout_s,
             idle_timeout_s=cfg.upstream_idle_timeout_s,
             tls=self.tls,
             engine_key=self.tls.engine_key() if self.tls else "",
         )
-        self.disagg.bind(SplitContext(self._upstream.post, self._finishes.submit, self.open_plans))
+        self.disagg.bind(SplitContext(self.upstream.post, self._finishes.submit, self.open_plans))
         app = web.Application(client_max_size=cfg.max_body_bytes)
         app.add_routes(
             [
@@ -238,7 +243,7 @@ class Gateway:
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=self._ssl_context())
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001
+        self.port = self._runner.addresses[-1][1]
         logger.info(
             "gateway on %s:%d, conductors %s", cfg.host, self.port, self.conductor.addresses
         )
@@ -263,8 +268,8 @@ class Gateway:
             await self._finishes.stop()
         if self.conductor is not None:
             await self.conductor.close()
-        if self._upstream is not None:
-            await self._upstream.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         await self.disagg.close()
 
     # --- small routes ---------------------------------------------------------------------
@@ -509,7 +514,7 @@ class Gateway:
                     call.ident,
                     engine_plan.plan_json(plan, call.ident.identity, call.block_size, call.hashes),
                 )
-                upstream = await self._upstream.post(
+                upstream = await self.upstream.post(
                     plan.engine_base_url.rstrip("/"),
                     path,
                     body,

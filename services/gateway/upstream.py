@@ -163,6 +163,10 @@ class UpstreamPool:
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
+    def idle_connections(self) -> int:
+        """Keep-alive connections held open, waiting for the next request."""
+        return sum(len(idle) for idle in self._idle.values())
+
     async def close(self) -> None:
         self._closed = True
         for idle in self._idle.values():

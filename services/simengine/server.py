@@ -214,13 +214,13 @@ class SimEngineServer:
             ssl_context=self.tls.server_context() if self.tls else None,
         )
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - no accessor
+        self.port = self._runner.addresses[-1][1]
         if self.config.plain_http_port >= 0:
             plain = web.TCPSite(
                 self._runner, self.config.host, self.config.plain_http_port, shutdown_timeout=1.0
             )
             await plain.start()
-            self.plain_port = plain._server.sockets[0].getsockname()[1]  # noqa: SLF001
+            self.plain_port = self._runner.addresses[-1][1]
         if self.registry is not None:
             self._register_task = asyncio.get_running_loop().create_task(
                 self._register_until_done(self.registry), name="register"

@@ -431,8 +431,7 @@ def _run_check(check: list[str], port: str, certs: Path) -> subprocess.Completed
 def started(name: str, args: list[str], tmp_path: Path) -> Iterator[ServiceProcess]:
     """The service `name` with `args`, started without its own readiness wait: the
     healthcheck under test is the check."""
-    process = ServiceProcess(name, args, tmp_path)
-    process._serving = lambda: True  # noqa: SLF001
+    process = ServiceProcess(name, args, tmp_path, wait_serving=False)
     with process:
         try:
             process.start(timeout_s=30)

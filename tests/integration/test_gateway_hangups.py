@@ -77,7 +77,7 @@ def test_clients_hanging_up_at_random_moments_leave_every_reservation_finished()
         async with gateway_setup(
             conductor_delay=conductor_delay, engine_delay=engine_delay, plan_stream=False
         ) as s:
-            server = s.gateway._runner.server  # noqa: SLF001
+            server = s.gateway.http_server
             port = s.gateway.port
             left: dict[str, tuple[float, bytes, bool]] = {}
             unreached = {}
@@ -103,12 +103,11 @@ def test_clients_hanging_up_at_random_moments_leave_every_reservation_finished()
             await until(lambda: s.gateway.limits.in_flight("acme") == 0, timeout_s=5)
             # Nor is an engine connection left open but the pool's idle ones.
             engine_server = s.engines[0].runner.server
-            idle = s.gateway._upstream._idle  # noqa: SLF001
 
             def engine_connections() -> int:
                 return sum(c.transport is not None for c in engine_server.connections)
 
-            await until(lambda: engine_connections() == sum(map(len, idle.values())), 3)
+            await until(lambda: engine_connections() == s.gateway.upstream.idle_connections(), 3)
             metrics = await s.metrics()
             assert "quillcache_gateway_reservations_open 0" in metrics
             assert 'quillcache_gateway_tenant_in_flight{tenant="acme"} 0' in metrics

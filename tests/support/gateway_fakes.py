@@ -155,7 +155,7 @@ class FakeEngine:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+        return f"http://127.0.0.1:{self.runner.addresses[-1][1]}"
 
     async def _pause(self) -> None:
         wait = self.delay()

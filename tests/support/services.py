@@ -21,9 +21,18 @@ class ServiceProcess:
     """A `quillcache <service>` process; `fields` holds its READY line's key=value pairs."""
 
     def __init__(
-        self, service: str, args: list[str], log_dir: Path, name: str | None = None
+        self,
+        service: str,
+        args: list[str],
+        log_dir: Path,
+        name: str | None = None,
+        *,
+        wait_serving: bool = True,
     ) -> None:
+        """`wait_serving`: `start` waits for gRPC health SERVING after READY (False: for
+        a test whose subject is that check)."""
         self.service = service
+        self.wait_serving = wait_serving
         # Every process runs with the session's certificates unless a test asks otherwise.
         if "--insecure" not in args and "--tls-dir" not in args:
             args = [*args, "--tls-dir", str(certs_dir())]
@@ -43,7 +52,8 @@ class ServiceProcess:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.proc.start()
         self.proc.wait_ready(lambda: self._read_ready(offset), timeout_s=timeout_s)
-        self.proc.wait_ready(self._serving, timeout_s=timeout_s)
+        if self.wait_serving:
+            self.proc.wait_ready(self._serving, timeout_s=timeout_s)
         return self
 
     def _read_ready(self, offset: int) -> bool:

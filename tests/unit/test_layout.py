@@ -111,3 +111,57 @@ def test_core_rooms_do_not_import_the_launcher_or_the_services():
         if up:
             bad[str(path.relative_to(ROOT))] = up
     assert bad == {}
+
+
+# Private by Python's convention, public by the library's documentation.
+DOCUMENTED_PRIVATE = {"_exit", "_getframe", "_replace", "_asdict", "_fields", "_make"}
+
+
+def _defined_names(tree: ast.AST) -> set[str]:
+    """Every name a file defines or binds: functions, classes, attributes it assigns,
+    variables, parameters, imports, `__slots__` entries."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            names.update(
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            )
+    return names
+
+
+def test_no_private_attribute_is_touched_across_files():
+    """`obj._name` outside `self`/`cls`/`super()` only where this file defines `_name`:
+    what another module keeps private stays its own (tests may look inside)."""
+    found = []
+    for path in sources(ROOT / "libs", ROOT / "services"):
+        tree = ast.parse(path.read_text(), str(path))
+        own = _defined_names(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            name = node.attr
+            if not name.startswith("_") or name.startswith("__") or name in DOCUMENTED_PRIVATE:
+                continue
+            if name.endswith("_") or name in own:  # an enum's _name_, or this file's own
+                continue
+            value = node.value
+            if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                continue
+            if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "super":
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

@@ -190,5 +190,5 @@ async def start_metrics_app(
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=tls.server_context() if tls else None)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp exposes no accessor
+    bound = runner.addresses[-1][1]
     return runner, bound
