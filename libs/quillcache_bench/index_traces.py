@@ -36,6 +36,7 @@ import msgpack
 
 from quillcache_bench.fleetsim.sim import GIB, FleetConfig, FleetSim
 from quillcache_bench.fleetsim.workloads import make_workload
+from quillcache_core.identity.chain import chain_keys
 from quillcache_core.index import MemoryIndex
 from quillcache_core.index.base import Chain, IndexBackend
 from quillcache_core.index.fs_index import record_row
@@ -324,7 +325,7 @@ def churn_trace(config: ChurnConfig) -> Trace:
         else:
             worker = rng.choice(stores)
             tier = CacheTier.CPU_DRAM if rng.random() < 0.6 else CacheTier.LOCAL_SSD
-        keys = _chain_keys(scope, parent, hashes, first)
+        keys = chain_keys(scope, hashes, parent=parent, first_index=first)
         ops.append((PUT, [CacheResidency(k, worker, tier, config.block_bytes) for k in keys]))
         resident.append([worker, tier, list(hashes)])
         chains.append((scope, prefix_hashes + hashes))
@@ -362,17 +363,6 @@ def churn_trace(config: ChurnConfig) -> Trace:
         f"{config.clear_every:,} records",
         ops,
     )
-
-
-def _chain_keys(scope: tuple, parent: str, hashes: list[str], first: int) -> list[KvBlockKey]:
-    model, tokenizer, adapter, tenant = scope
-    keys = []
-    for offset, block_hash in enumerate(hashes):
-        keys.append(
-            KvBlockKey(model, tokenizer, adapter, tenant, parent, block_hash, first + offset, 16)
-        )
-        parent = block_hash
-    return keys
 
 
 def _churn_lookup(rng: random.Random, chains: list) -> tuple:

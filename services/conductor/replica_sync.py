@@ -35,7 +35,8 @@ from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_conductor.peer_load import ClosedLoad, OpenedLoad, PeerLoad
 from quillcache_conductor.records import Reservation
 from quillcache_conductor.state import ConductorState
-from quillcache_core.model import CacheResidency, CacheTier, KvBlockKey
+from quillcache_core.identity.chain import chain_keys
+from quillcache_core.model import CacheResidency, CacheTier
 from quillcache_core.routing.calibrate import ModelSpeeds
 from quillcache_core.security.tls import Tls, grpc_channel
 from quillcache_core.wire.plan import HASH_BYTES, unpack_hashes
@@ -49,7 +50,6 @@ QUEUE_MAX = 4096  # messages waiting for one slow receiver; beyond, its stream i
 # well under gRPC's 4 MB default (and the receiver allows more anyway).
 OPENED_PER_MESSAGE = 256
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-_new_key = partial(tuple.__new__, KvBlockKey)
 _new_record = partial(tuple.__new__, CacheResidency)
 
 
@@ -126,19 +126,12 @@ def opened_from_proto(msg: conductor_pb2.ReservationOpened) -> OpenedLoad:
     if n and len(parents) == n == len(indexes) and (not msg.token_counts or len(counts) == n):
         identity = msg.identity
         adapter = identity.adapter_id if identity.HasField("adapter_id") else None
-        keys = map(
-            _new_key,
-            zip(
-                repeat(identity.model_id, n),
-                repeat(identity.tokenizer_id, n),
-                repeat(adapter, n),
-                repeat(identity.tenant_id, n),
-                parents,
-                hashes,
-                indexes,
-                counts,
-                strict=True,
-            ),
+        keys = chain_keys(
+            (identity.model_id, identity.tokenizer_id, adapter, identity.tenant_id),
+            hashes,
+            parents=parents,
+            indexes=indexes,
+            token_counts=counts,
         )
         records = list(
             map(

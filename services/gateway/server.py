@@ -28,6 +28,7 @@ from aiohttp import web
 
 from quillcache.v1 import common_pb2, conductor_pb2
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.identity.chain import BlockChain
 from quillcache_core.identity.hashing import RecentChains
 from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.identity.tokenize import (
@@ -106,9 +107,17 @@ class _Call:
     slo_ms: int
     job: _Completion
     ident: _Identity
-    hashes: list[str]  # hex, one per full block
-    packed: bytes  # the same hashes as 16-byte digests, concatenated
-    block_size: int = 16  # tokens a block: the conductor's index block size
+    chain: BlockChain  # the prompt's full blocks (their digests packed)
+    hashes: list[str]  # the same as hex, one per full block
+
+    @property
+    def block_size(self) -> int:  # tokens a block: the conductor's index block size
+        return self.chain.block_tokens
+
+    @property
+    def packed(self) -> bytes:
+        return self.chain.packed
+
     disagg: str = ""  # the client's x-quillcache-disagg ("" = the conductor's choice)
     notes: dict[str, str] = field(default_factory=dict)  # headers added on the way (disagg)
 
@@ -465,9 +474,9 @@ class Gateway:
     async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms):
         ident = self._identity(tenant, job.model, job.tokenizer_id)
         block_size = self.catalog.block_size
-        hashes, packed = self._chains.hashes(job.tokens, block_size, ident.identity.digest)
+        chain, hashes = BlockChain.of_tokens(ident.identity, job.tokens, block_size, self._chains)
         mode = requested_mode(request.headers.get(DISAGG_HEADER))  # 400 if not a mode
-        call = _Call(request_id, arrived, slo_ms, job, ident, hashes, packed, block_size, mode)
+        call = _Call(request_id, arrived, slo_ms, job, ident, chain, hashes, mode)
         self.prepare_sum.inc(time.perf_counter() - arrived)
         self._finishes.hold()  # no Finish competes with this request for its answer
         try:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quillcache.v1 import common_pb2, conductor_pb2
+from quillcache_core.identity.chain import BlockChain
 from quillcache_core.identity.tokenize import BuiltinTokenizer, HfTokenizer, render_chat
 from quillcache_core.index.memory import MemoryIndex
 from quillcache_core.kvevents.decode import decode_batch
@@ -197,7 +198,15 @@ def test_plan_json_is_engine_plan_to_json_with_fetch_runs_expanded():
     ident = gw._identity("acme", "sim-model", "builtin-v1")
     hashes = [f"{i:032x}" for i in range(10)]
     job = _Completion(b"{}", {}, "sim-model", "builtin-v1", list(range(170)), 8, False)
-    call = _Call("req", 0.0, 800, job, ident, hashes, pack_hashes(hashes))
+    call = _Call(
+        "req",
+        0.0,
+        800,
+        job,
+        ident,
+        BlockChain(ident.identity.scope(), 16, pack_hashes(hashes)),
+        hashes,
+    )
     A = conductor_pb2.BlockAction
     plan = conductor_pb2.PlanResponse(
         reservation_id="res-1",

@@ -9,7 +9,7 @@ import pytest
 
 from quillcache.v1 import conductor_pb2
 from quillcache_core.errors import NodeUnavailable, NotFound
-from quillcache_core.identity.hashing import keys_from_hashes
+from quillcache_core.identity.chain import chain_keys
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_store.pooled import PeerLocation, PooledStore
 from quillcache_store.reporter import ResidencyReporter, event_to_proto, events_to_protos
@@ -241,15 +241,13 @@ def facts(protos: list[conductor_pb2.KvEvent]) -> list[tuple]:
         if proto.WhichOneof("event") == "stored":
             st = proto.stored
             ident = st.identity
-            keys = keys_from_hashes(
+            adapter = ident.adapter_id if ident.HasField("adapter_id") else None
+            keys = chain_keys(
+                (ident.model_id, ident.tokenizer_id, adapter, ident.tenant_id),
                 list(st.block_hashes),
-                st.block_size,
-                model_id=ident.model_id,
-                tokenizer_id=ident.tokenizer_id,
-                adapter_id=ident.adapter_id if ident.HasField("adapter_id") else None,
-                tenant_id=ident.tenant_id,
                 parent=st.parent_block_hash or "root",
                 first_index=st.first_block_index,
+                token_count=st.block_size,
             )
             out += [("stored", k, st.medium, st.bytes_per_block) for k in keys]
         else:

@@ -21,7 +21,6 @@ from hashlib import blake2b
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.prefix_memo import PrefixMemo
-from quillcache_core.model import KvBlockKey
 
 ROOT_PARENT = "root"
 _ZERO = bytes(16)
@@ -39,14 +38,23 @@ def identity_digest(
 ) -> bytes:
     """16-byte digest of an identity; fields are length-prefixed so none can run into another."""
     h = blake2b(_DOMAIN, digest_size=16)
-    for part in (model_id, tokenizer_id, adapter_id, tenant_id, cache_salt):
+    hash_fields(h, (model_id, tokenizer_id, adapter_id, tenant_id, cache_salt))
+    return h.digest()
+
+
+def hash_fields(h, parts) -> None:
+    """Feed identity fields to the hasher `h`, each UTF-8 with a 4-byte little-endian
+    length before it and None as a marker of its own (so no field runs into the next,
+    and None differs from ""): the one encoding of an identity wherever one is hashed
+    (the blocks' chain here, a store record's storage key)."""
+    update = h.update
+    for part in parts:
         if part is None:
-            h.update(b"\xff\xff\xff\xff")
+            update(b"\xff\xff\xff\xff")
             continue
         raw = part.encode("utf-8")
-        h.update(len(raw).to_bytes(4, "little"))
-        h.update(raw)
-    return h.digest()
+        update(len(raw).to_bytes(4, "little"))
+        update(raw)
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -165,33 +173,3 @@ class RecentChains:
             )
             self._recent.keep(found, raw, digests)
         return list(map(bytes.hex, digests)), b"".join(digests)
-
-
-def keys_from_hashes(
-    hashes: Sequence[str],
-    token_count: int,
-    *,
-    model_id: str,
-    tokenizer_id: str,
-    adapter_id: str | None,
-    tenant_id: str,
-    parent: str = ROOT_PARENT,
-    first_index: int = 0,
-) -> list[KvBlockKey]:
-    """KvBlockKeys for an already-hashed chain: each block's parent is the previous hash."""
-    keys = []
-    for offset, block_hash in enumerate(hashes):
-        keys.append(
-            KvBlockKey(
-                model_id=model_id,
-                tokenizer_id=tokenizer_id,
-                adapter_id=adapter_id,
-                tenant_id=tenant_id,
-                prefix_hash=parent,
-                block_hash=block_hash,
-                block_index=first_index + offset,
-                token_count=token_count,
-            )
-        )
-        parent = block_hash
-    return keys

@@ -22,12 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from quillcache_core.identity.hashing import (
-    ROOT_PARENT,
-    block_hashes,
-    identity_digest,
-    keys_from_hashes,
-)
+from quillcache_core.identity.chain import chain_keys
+from quillcache_core.identity.hashing import ROOT_PARENT, block_hashes, identity_digest
 from quillcache_core.model import IdentityScope, KvBlockKey
 
 DEFAULT_TENANT = "default"
@@ -63,15 +59,8 @@ class BlockIdentity:
         hashes = block_hashes(
             tokens, block_size, self.digest, None if parent == ROOT_PARENT else parent
         )
-        return keys_from_hashes(
-            hashes,
-            block_size,
-            model_id=self.model_id,
-            tokenizer_id=self.tokenizer_id,
-            adapter_id=self.adapter_id,
-            tenant_id=self.tenant_id,
-            parent=parent,
-            first_index=first_index,
+        return chain_keys(
+            self.scope(), hashes, parent=parent, first_index=first_index, token_count=block_size
         )
 
 

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from itertools import repeat
 from typing import NamedTuple
 
+from quillcache_core.identity.chain import chain_keys
 from quillcache_core.model import (
     CacheResidency,
     CacheTier,
@@ -179,22 +180,8 @@ def _chain_records(
     nbytes: int,
     last_access_ms: int,
 ) -> list[CacheResidency]:
-    prefixes = [parent]
-    prefixes += block_hashes[:-1]
-    model_id, tokenizer_id, adapter_id, tenant_id = scope
-    keys = map(
-        _new,
-        repeat(KvBlockKey),
-        zip(
-            repeat(model_id),
-            repeat(tokenizer_id),
-            repeat(adapter_id),
-            repeat(tenant_id),
-            prefixes,
-            block_hashes,
-            range(first_index, first_index + len(block_hashes)),
-            repeat(token_count),
-        ),
+    keys = chain_keys(
+        scope, block_hashes, parent=parent, first_index=first_index, token_count=token_count
     )
     return list(
         map(

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
+from quillcache_core.identity.chain import chain_keys
 from quillcache_core.identity.hashing import ROOT_PARENT, packed_block_hashes
 from quillcache_core.identity.keys import block_identity, identity_tokenizer
 from quillcache_core.index.base import Chain, IndexBackend
@@ -446,16 +447,16 @@ class EngineEventTranslator:
         if refs is None:
             refs = self._refs[holder[0]] = {}
         engine_id, nbytes = self.engine_id, self.bytes_per_block
-        prefix = parent_hash if parent_hash is not None else ROOT_PARENT
+        keys = chain_keys(
+            (model_id, tokenizer_id, adapter, tenant),
+            ours,
+            parent=parent_hash if parent_hash is not None else ROOT_PARENT,
+            first_index=first_index,
+            token_count=size,
+        )
         residencies = []
-        for offset, (key_of_engine, our_hash) in enumerate(zip(engine_keys, ours, strict=True)):
-            block_index = first_index + offset
-            key = _new(
-                KvBlockKey,
-                (model_id, tokenizer_id, adapter, tenant, prefix, our_hash, block_index, size),
-            )
-            mine = (our_hash, prefix, block_index, size, ident, holders)
-            prefix = our_hash
+        for key_of_engine, our_hash, key in zip(engine_keys, ours, keys, strict=True):
+            mine = (our_hash, key[4], key[6], size, ident, holders)  # prefix_hash, block_index
             value = blocks.get(key_of_engine)
             entry = None if value is None else self._entry(value)
             if entry is None:

@@ -33,6 +33,7 @@ import msgpack
 import xxhash
 
 from quillcache_core.errors import Corrupt, InvalidArgument
+from quillcache_core.identity.hashing import hash_fields
 from quillcache_core.model import KvBlockKey
 
 MAGIC = b"QKVB"
@@ -119,20 +120,7 @@ def storage_key(key: KvBlockKey) -> bytes:
     marker (so None and "" differ), integers are 8-byte signed.
     """
     h = blake2b(_STORAGE_DOMAIN, digest_size=STORAGE_KEY_BYTES)
-    for part in (
-        key.model_id,
-        key.tokenizer_id,
-        key.adapter_id,
-        key.tenant_id,
-        key.prefix_hash,
-        key.block_hash,
-    ):
-        if part is None:
-            h.update(b"\xff\xff\xff\xff")
-            continue
-        raw = part.encode("utf-8")
-        h.update(len(raw).to_bytes(4, "little"))
-        h.update(raw)
+    hash_fields(h, key[:6])  # model, tokenizer, adapter, tenant, prefix, block hash
     h.update(key.block_index.to_bytes(8, "little", signed=True))
     h.update(key.token_count.to_bytes(8, "little", signed=True))
     return h.digest()
