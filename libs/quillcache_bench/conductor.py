@@ -53,6 +53,7 @@ from quillcache_core.index import MemoryIndex
 from quillcache_core.kvevents.bulk_decode import decode_bulk
 from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.launch.etcd_server import EtcdServer, free_port
+from quillcache_core.launch.process import ManagedProcess, ProcessFailed
 from quillcache_core.process.heap import HeapSettler
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.plan_client import PlanClient
@@ -108,32 +109,15 @@ async def _main(args) -> int:
 
 async def _run_conductor(args, tmp: Path, certs: Path | None, etcd, results) -> None:
     """The conductor process (with the run's certificates), benched, then stopped."""
-    log_path = tmp / "conductor.log"
-    with open(log_path, "wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "quillcache_core.launch.cli",
-            "conductor",
-            "--registry",
-            etcd.client_url,
-            "--log-level",
-            "WARNING",
-            "--reservation-ttl-s",
-            "3600",
-            *security_args(certs),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-        )
+    argv = [sys.executable, "-m", "quillcache_core.launch.cli", "conductor",
+            "--registry", etcd.client_url, "--log-level", "WARNING",
+            "--reservation-ttl-s", "3600", *security_args(certs)]  # fmt: skip
+    with ManagedProcess(argv, log_path=tmp / "conductor.log", name="conductor") as proc:
         try:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            if not line.startswith("READY"):
-                raise SystemExit(f"conductor did not start: {line!r}; see {log_path}")
-            address = line.split("grpc=")[1].split()[0]
-            await _bench(args, etcd, address, certs, results)
-        finally:
-            proc.terminate()
-            await proc.wait()
+            await proc.wait_ready_async(lambda: proc.ready_fields() is not None, timeout_s=30)
+        except ProcessFailed as exc:
+            raise SystemExit(f"conductor did not start: {exc}") from None
+        await _bench(args, etcd, proc.ready_fields()["grpc"], certs, results)
 
 
 async def _bench(args, etcd, address, certs, results) -> None:

@@ -35,8 +35,6 @@ import numpy as np
 from quillcache_bench.common import Progress, render_table, write_results
 from quillcache_bench.secure import INSECURE_HELP
 from quillcache_core.launch.cluster import LocalCluster
-from quillcache_core.launch.etcd_server import EtcdServer
-from quillcache_core.security.certs import make_certs
 from quillcache_core.security.credentials import (
     as_gateway,
     operator_context,
@@ -46,59 +44,6 @@ from quillcache_core.security.credentials import (
 from quillcache_core.security.tenants import tenant_salt
 
 MODES = ("plain", "stream")
-
-
-class PathCluster(LocalCluster):
-    """The processes on a gateway request's path only: etcd, conductor, engines, gateway."""
-
-    def __init__(self, data_dir: Path, *, index_backend: str, **kwargs) -> None:
-        super().__init__(data_dir, **kwargs)
-        self.index_backend = index_backend
-
-    def _start(self, timeout_s: float) -> dict:
-        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
-        certs = None if self.insecure else make_certs(self.certs_dir)
-        self.tls = role_tls(certs, "operator")
-        self.etcd = EtcdServer(self.data_dir / "etcd", tls_dir=certs)
-        self.etcd.start()
-        registry = ["--registry", self.etcd.client_url, "--lease-ttl-s", str(self.lease_ttl_s)]
-        index = ["--index-backend", self.index_backend]
-        if self.index_backend == "lmdb":
-            index += ["--index-path", str(self.data_dir / "conductor-index")]
-        conductor = self._run(
-            "conductor", "conductor", [*registry, "--policy", self.policy, *index], timeout_s
-        )
-        engines = [
-            self._run(
-                f"engine-{i}",
-                "sim-engine",
-                [
-                    *registry,
-                    "--node-id",
-                    f"engine-{i}",
-                    "--model",
-                    self.model,
-                    "--hbm-blocks",
-                    str(self.hbm_blocks),
-                    "--time-scale",
-                    str(self.time_scale),
-                ],
-                timeout_s,
-            )
-            for i in range(self.engines)
-        ]
-        gateway = self._start_gateway(conductor, len(engines), timeout_s)
-        return {
-            "gateway_url": gateway.fields["http"],
-            "conductor": conductor.fields["grpc"],
-            "engines": [e.fields["http"] for e in engines],
-            "api_keys": dict(self.api_keys),
-            "pids": {c.name: c.proc.pid for c in self.children},
-            "tls": None
-            if self.tls is None
-            else {"ca": str(self.tls.ca), "cert": str(self.tls.cert), "key": str(self.tls.key)},
-            "certs_dir": None if self.insecure else str(self.certs_dir),
-        }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,18 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.requests < 1 or args.concurrency < 1 or args.warmup < 0:
         raise SystemExit("--requests and --concurrency must be positive, --warmup >= 0")
     with tempfile.TemporaryDirectory(prefix="qc-gw-bench-") as tmp:
-        cluster = PathCluster(
+        # Only what a request's path crosses: no store nodes, no transfer service.
+        cluster = LocalCluster(
             Path(tmp),
             engines=args.engines,
+            stores=0,
             time_scale=0.0001,
             index_backend=args.index_backend,
             log=lambda *_: None,
             insecure=args.insecure,
         )
         endpoints = cluster.start()
+        endpoints["certs_dir"] = None if args.insecure else str(cluster.certs_dir)
         try:
             if args.hold_s > 0:
-                print(f"cluster up: {endpoints['pids']}", flush=True)
+                pids = {c.name: c.proc.pid for c in cluster.children if c.proc is not None}
+                print(f"cluster up: {pids}", flush=True)
                 time.sleep(args.hold_s)
             samples = asyncio.run(_measure(endpoints, args))
         finally:

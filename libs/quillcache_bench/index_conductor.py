@@ -32,6 +32,7 @@ from pathlib import Path
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_bench.common import Progress
 from quillcache_bench.index_traces import CLEAR, LOOKUP, PUT, REMOVE, Trace
+from quillcache_core.launch.process import ManagedProcess, ProcessFailed
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.plan_port import PlanPortClient
 from quillcache_core.security.credentials import role_tls, security_args
@@ -235,21 +236,14 @@ async def run_conductor(
     ]
     if backend != "memory":
         args += ["--index-path", str(index_dir)]
-    with open(log_path, "wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            *args, stdout=asyncio.subprocess.PIPE, stderr=log
-        )
+    with ManagedProcess(args, log_path=log_path, name=f"conductor-{backend}") as proc:
         try:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-            if not line.startswith("READY"):
-                raise SystemExit(f"conductor did not start: {line!r}; see {log_path}")
-            address = line.split("grpc=")[1].split()[0]
-            out = await _feed(backend, address, certs, feeds, nodes, engines)
-            out["rss"] = _memory(proc.pid)
-            return out
-        finally:
-            proc.terminate()
-            await proc.wait()
+            await proc.wait_ready_async(lambda: proc.ready_fields() is not None, timeout_s=60)
+        except ProcessFailed as exc:
+            raise SystemExit(f"conductor did not start: {exc}") from None
+        out = await _feed(backend, proc.ready_fields()["grpc"], certs, feeds, nodes, engines)
+        out["rss"] = _memory(proc.pid)
+        return out
 
 
 async def _feed(backend, address, certs, feeds, nodes, engines) -> dict:

@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from quillcache_core.launch.cluster import terminate_group
+from quillcache_core.launch.process import spawn, terminate_group
 from quillcache_core.launch.vllm_engine import free_port
 
 # name in the results -> (binary, policy)
@@ -93,14 +93,7 @@ class RouterProcess:
     def start(self, workers: int, timeout_s: float = 60.0) -> None:
         """Start the router; returns once it answers /v1/models and (where it lists
         them on /workers, as sglang-router does) knows every worker as healthy."""
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.proc, _ = spawn(self.argv, self.log_path)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:

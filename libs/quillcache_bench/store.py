@@ -55,13 +55,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -79,6 +76,7 @@ from quillcache_bench.baselines import (
 )
 from quillcache_bench.common import Progress, render_table, write_results
 from quillcache_bench.secure import INSECURE_HELP, bench_certs
+from quillcache_core.launch.process import ManagedProcess, ProcessFailed
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.process.malloc import tune_malloc_for_large_values
 from quillcache_core.security.credentials import role_tls, security_args
@@ -132,44 +130,26 @@ class _Service:
     """A `quillcache <service>` child process; waits for its READY line."""
 
     def __init__(self, service: str, args: list[str], log: Path) -> None:
-        self.log = log
-        self._file = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.proc = ManagedProcess(
             [sys.executable, "-m", "quillcache_core.launch.cli", service, *args],
-            stdout=self._file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            log_path=log,
+            name=service,
+            stop_grace_s=10.0,
         )
-        self.fields: dict[str, str] = {}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for line in log.read_text(errors="replace").splitlines():
-                if line.startswith(f"READY {service} "):
-                    self.fields = dict(p.split("=", 1) for p in line.split()[2:])
-                    return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        self.stop()
-        raise RuntimeError(f"{service} did not start; log tail:\n{tail}")
+        self.proc.start()
+        try:
+            self.proc.wait_ready(lambda: self.proc.ready_fields() is not None, timeout_s=30)
+        except ProcessFailed as exc:
+            self.proc.stop()
+            raise RuntimeError(f"{service} did not start: {exc}") from None
+        self.fields: dict[str, str] = self.proc.ready_fields() or {}
 
     @property
     def address(self) -> str:
         return self.fields["grpc"]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-        self._file.close()
+        self.proc.stop()
 
 
 # --- store and transfer -------------------------------------------------------------------

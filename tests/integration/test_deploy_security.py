@@ -35,6 +35,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from quillcache_core.launch.etcd_server import ETCD_ROLES, ETCD_USERS, find_etcd_binary
+from quillcache_core.launch.process import ProcessFailed
 from quillcache_core.security.certs import make_certs
 from tests.integration.test_deploy_files import (
     COMPOSE,
@@ -54,7 +55,6 @@ from tests.integration.test_deploy_files import (
     qc_command,
     render_k8s,
 )
-from tests.support.procs import ProcessFailed
 from tests.support.services import ServiceProcess
 
 pytestmark = pytest.mark.integration

@@ -16,10 +16,10 @@ import pytest
 
 from quillcache_core.errors import NodeUnavailable
 from quillcache_core.launch.etcd_server import EtcdServer, free_port
+from quillcache_core.launch.process import ManagedProcess
 from quillcache_core.registry import EtcdRegistry, NodeEvent, NodeRecord, node_key, open_registry
 from tests.support.aio import run
 from tests.support.etcdctl import etcdctl
-from tests.support.procs import ManagedProcess
 from tests.support.tls import certs_dir, tls
 
 pytestmark = pytest.mark.integration

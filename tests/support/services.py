@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 import urllib.request
@@ -11,10 +10,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.procs import ManagedProcess, ProcessFailed
+from quillcache_core.launch.process import ManagedProcess, ProcessFailed
 from tests.support.tls import certs_dir, channel, client_context
-
-READY = re.compile(r"^READY (\S+) (.*)$", re.MULTILINE)
 
 
 class ServiceProcess:
@@ -48,20 +45,17 @@ class ServiceProcess:
         self.fields: dict[str, str] = {}
 
     def start(self, timeout_s: float = 15.0) -> ServiceProcess:
-        # Only READY lines written after this start count (the log is appended to).
-        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self.proc.start()
-        self.proc.wait_ready(lambda: self._read_ready(offset), timeout_s=timeout_s)
+        self.proc.start()  # only this run's READY line counts (the log is appended to)
+        self.proc.wait_ready(self._read_ready, timeout_s=timeout_s)
         if self.wait_serving:
             self.proc.wait_ready(self._serving, timeout_s=timeout_s)
         return self
 
-    def _read_ready(self, offset: int) -> bool:
-        text = self.log_path.read_bytes()[offset:].decode("utf-8", "replace")
-        match = READY.search(text)
-        if not match:
+    def _read_ready(self) -> bool:
+        fields = self.proc.ready_fields()
+        if fields is None:
             return False
-        self.fields = dict(part.split("=", 1) for part in match.group(2).split())
+        self.fields = fields
         return True
 
     @property

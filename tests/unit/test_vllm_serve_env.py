@@ -90,7 +90,7 @@ def test_ports_picked_for_a_vllm_server_are_never_what_a_bind_to_port_0_returns(
 def test_a_child_given_cores_runs_there_with_everything_it_starts(tmp_path):
     """How `quillcache up` keeps a vLLM server on its share of the machine: the child
     and the processes it starts later are on those cores only."""
-    from quillcache_core.launch.cluster import Child, _spawn, terminate_group
+    from quillcache_core.launch.process import spawn, terminate_group
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: a child runs there anyway")
@@ -101,11 +101,9 @@ def test_a_child_given_cores_runs_there_with_everything_it_starts(tmp_path):
         "'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, text=True); "
         "print(sorted(os.sched_getaffinity(0))); print(inner.stdout.strip())"
     )
-    child = Child("probe", "test", [sys.executable, "-c", script], tmp_path / "probe.log")
-    child.cores = tuple(cores)
-    _spawn(child)
+    proc, _ = spawn([sys.executable, "-c", script], tmp_path / "probe.log", cores=tuple(cores))
     try:
-        assert child.proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 0
     finally:
-        terminate_group(child.proc, 1.0)
-    assert child.log_path.read_text().splitlines() == [str(cores)] * 2
+        terminate_group(proc, 1.0)
+    assert (tmp_path / "probe.log").read_text().splitlines() == [str(cores)] * 2

@@ -17,51 +17,25 @@ after 30 s up), and each restart is logged; see `quillcache_core.launch.supervis
 from __future__ import annotations
 
 import contextlib
-import os
-import re
 import secrets
-import signal
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from quillcache_core.launch import vllm_engine
 from quillcache_core.launch.etcd_server import EtcdServer
+from quillcache_core.launch.process import Child, read_ready, spawn, terminate_group
 from quillcache_core.launch.supervisor import Supervisor, pinned_ports
 from quillcache_core.security.certs import make_certs
 from quillcache_core.security.tls import Tls, grpc_channel
 
-READY = re.compile(r"^READY (\S+) (.*)$", re.MULTILINE)
 DEMO_TENANTS = ("acme", "globex")
 
 
 class ClusterError(RuntimeError):
     """A process of the cluster failed to start or become healthy."""
-
-
-@dataclass
-class Child:
-    name: str
-    service: str
-    argv: list[str]
-    log_path: Path
-    env: dict[str, str] | None = None
-    proc: subprocess.Popen | None = None
-    fields: dict[str, str] = field(default_factory=dict)
-    log_offset: int = 0  # where the current run's output starts in the log
-    paused: bool = False  # being restarted by hand: not supervised meanwhile
-    cores: tuple[int, ...] = ()  # the only cores it and its children may run on (() = any)
-
-    def log_tail(self, n: int = 30) -> str:
-        try:
-            lines = self.log_path.read_bytes()[-32768:].decode("utf-8", "replace").splitlines()
-        except OSError:
-            return "<no log>"
-        return "\n".join(lines[-n:])
 
 
 class LocalCluster:
@@ -87,6 +61,7 @@ class LocalCluster:
         insecure: bool = False,
         supervise: bool = False,
         conductors: int = 1,
+        index_backend: str = "fs",
     ) -> None:
         """`engine_kind` "vllm" starts real vLLM servers from the cached environment
         (`vllm_env`) serving `vllm_model_dir` (default: the tiny model) as `model`,
@@ -104,11 +79,16 @@ class LocalCluster:
         its address (`supervisor`); `self.supervisor.restarts` lists the restarts.
         `conductors` replicas each get every store's residency and the engines' events,
         and stream each other's reservations (replica_sync.py); the gateway spreads
-        plans over them. `quillcache up` starts two; tests ask for what they need."""
+        plans over them. `quillcache up` starts two; tests ask for what they need.
+        `stores=0` starts only what a request's path crosses (etcd, conductors, sim
+        engines, the gateway: no pool, no transfer service), as the gateway's own
+        benchmark measures it; `index_backend` is the conductors' residency index."""
         if engine_kind not in ("sim", "vllm"):
             raise ValueError(f"engine_kind must be 'sim' or 'vllm', got {engine_kind!r}")
-        if engines < 1 or stores < 1 or conductors < 1:
-            raise ValueError("a cluster needs at least one engine, store and conductor")
+        if engines < 1 or stores < 0 or conductors < 1:
+            raise ValueError("a cluster needs at least one engine and conductor")
+        if stores == 0 and engine_kind == "vllm":
+            raise ValueError("vLLM engines load and save through a store: stores >= 1")
         if engine_kv_tokens is not None:
             if engine_kind != "vllm":
                 raise ValueError("--engine-kv-tokens is for --engine vllm (sim: --hbm-blocks)")
@@ -117,6 +97,7 @@ class LocalCluster:
         self.data_dir = Path(data_dir)
         self.engines = engines
         self.stores = stores
+        self.index_backend = index_backend
         self.hbm_blocks = hbm_blocks
         self.time_scale = time_scale
         self.dram_capacity_bytes = dram_capacity_bytes
@@ -183,10 +164,7 @@ class LocalCluster:
                     f"conductor-{i}",
                     "--policy",
                     self.policy,
-                    "--index-backend",
-                    "fs",
-                    "--index-path",
-                    str(self.data_dir / ("conductor-index" if i == 0 else f"conductor-{i}-index")),
+                    *self._index_args(i),
                 ],
                 timeout_s,
             )
@@ -218,10 +196,10 @@ class LocalCluster:
                     timeout_s,
                 )
             )
-        transfer = self._run("transfer", "transfer", [*registry], timeout_s)
+        transfer = self._run("transfer", "transfer", [*registry], timeout_s) if stores else None
         engines = []
         for i in range(self.engines):
-            store = stores[i % len(stores)]
+            store = stores[i % len(stores)] if stores else None
             if self.engine_kind == "vllm":
                 engines.append(self._start_vllm(i, store, registry, timeout_s))
                 continue
@@ -236,15 +214,16 @@ class LocalCluster:
                         "--model",
                         self.model,
                         "--locality-domain",
-                        f"rack-{(i % len(stores)) % 2}",
+                        f"rack-{(i % (len(stores) or 2)) % 2}",
                         "--hbm-blocks",
                         str(self.hbm_blocks),
                         "--time-scale",
                         str(self.time_scale),
-                        "--store",
-                        store.fields["grpc"],
-                        "--store-node-id",
-                        store.name,
+                        *(
+                            ["--store", store.fields["grpc"], "--store-node-id", store.name]
+                            if store is not None
+                            else []
+                        ),  # fmt: skip
                         *self.engine_options.get(i, {}).get("sim_args", []),
                         "--role",
                         self.engine_options.get(i, {}).get("role", "both"),
@@ -258,14 +237,14 @@ class LocalCluster:
             "conductor": conductor.fields["grpc"],  # the first, for older clients
             "conductors": [c.fields["grpc"] for c in conductors],
             "stores": [s.fields["grpc"] for s in stores],
-            "transfer": transfer.fields["grpc"],
+            "transfer": transfer.fields["grpc"] if transfer is not None else None,
             "etcd": self.etcd.client_url,
             "engines": [e.fields["http"] for e in engines],
             "metrics": {
                 "gateway": gateway.fields["http"] + "/metrics",
                 **{c.name: c.fields["metrics"] + "/metrics" for c in conductors},
                 **{s.name: s.fields["metrics"] + "/metrics" for s in stores},
-                "transfer": transfer.fields["metrics"] + "/metrics",
+                **({"transfer": transfer.fields["metrics"] + "/metrics"} if transfer else {}),
                 **{e.name: e.fields["http"] + "/metrics" for e in engines},
                 **{
                     f"{e.name}-connector{side}": e.fields[f"connector{side}_metrics"]
@@ -280,6 +259,14 @@ class LocalCluster:
             if self.tls is None
             else {"ca": str(self.tls.ca), "cert": str(self.tls.cert), "key": str(self.tls.key)},
         }
+
+    def _index_args(self, i: int) -> list[str]:
+        """Conductor i's residency index: `index_backend`, in its own directory."""
+        args = ["--index-backend", self.index_backend]
+        if self.index_backend != "memory":
+            name = "conductor-index" if i == 0 else f"conductor-{i}-index"
+            args += ["--index-path", str(self.data_dir / name)]
+        return args
 
     def _start_gateway(self, conductors: list[Child], engines: int, timeout_s: float) -> Child:
         """The gateway with the demo tenants' keys, once every conductor sees every engine."""
@@ -425,14 +412,10 @@ class LocalCluster:
     @staticmethod
     def _read_ready(child: Child) -> bool:
         """Whether the child's current run printed its READY line (its fields then set)."""
-        try:
-            text = child.log_path.read_bytes()[child.log_offset :].decode("utf-8", "replace")
-        except OSError:
+        fields = read_ready(child.log_path, child.log_offset)
+        if fields is None:
             return False
-        match = READY.search(text)
-        if match is None:
-            return False
-        child.fields = dict(part.split("=", 1) for part in match.group(2).split() if "=" in part)
+        child.fields = fields
         return True
 
     def _wait_healthy(self, child: Child, deadline: float, what: str) -> None:
@@ -533,37 +516,12 @@ class LocalCluster:
 
 
 def _spawn(child: Child) -> None:
-    """Start the child's command line in its own process group, output appended to its log
-    (a vLLM server with its environment variables)."""
-    with open(child.log_path, "ab") as log:
-        child.log_offset = log.tell()
-        child.proc = subprocess.Popen(
-            child.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=child.env,
-        )
-    if child.cores:
-        # Before the command starts a thread or a process (`sh` execs it): all inherit it.
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(child.proc.pid, child.cores)
+    """Start the child's command line (`process.spawn`: its own process group, output
+    appended to its log; a vLLM server with its environment variables)."""
+    child.proc, child.log_offset = spawn(
+        child.argv, child.log_path, env=child.env, cores=child.cores
+    )
 
 
 def _terminate(child: Child, grace_s: float) -> None:
     terminate_group(child.proc, grace_s)
-
-
-def terminate_group(proc: subprocess.Popen | None, grace_s: float) -> None:
-    """SIGTERM the process group `proc` leads, SIGKILL it if still there after `grace_s`."""
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)

@@ -22,13 +22,11 @@ makes sure etcd's users and roles exist (`ETCD_ROLES`) and auth is on:
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -43,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from quillcache_core.security.tls import Tls
+
+from quillcache_core.launch.process import spawn, terminate_group
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,6 @@ class EtcdServer:
         self.stop_grace_s = stop_grace_s
         self.extra_args = tuple(extra_args)
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log_fh = None
 
     # -- properties -------------------------------------------------------------
 
@@ -218,6 +217,11 @@ class EtcdServer:
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code once etcd has exited (None while it runs, or never started)."""
+        return self._proc.poll() if self._proc is not None else None
 
     def cert_paths(self, role: str) -> tuple[Path, Path, Path]:
         """(CA, certificate, key) of `role` in the certificate dir (secure mode)."""
@@ -325,20 +329,9 @@ class EtcdServer:
         ]
 
     def _spawn_and_wait(self) -> None:
-        self._log_fh = open(self.log_path, "ab")  # closed in stop()
         argv = self._argv()
         log.info("starting etcd on %s (data dir %s)", self.client_url, self.data_dir)
-        try:
-            self._proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log_fh,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except OSError:
-            self._close_log()
-            raise
+        self._proc, _ = spawn(argv, self.log_path)
         try:
             self._wait_healthy()
             if self.tls_dir is not None:
@@ -397,9 +390,8 @@ class EtcdServer:
         proc, self._proc = self._proc, None
         code = None
         if proc is not None:
-            code = _terminate_group(proc, self.stop_grace_s)
+            code = terminate_group(proc, self.stop_grace_s)
             log.info("etcd on %s stopped (exit code %s)", self.client_url, code)
-        self._close_log()
         return code
 
     def restart(self, *, wipe_data: bool = False) -> EtcdServer:
@@ -420,12 +412,6 @@ class EtcdServer:
             shutil.rmtree(self._data_dir, ignore_errors=True)
             self._data_dir = self._given_data_dir
             self._owns_data_dir = False
-
-    def _close_log(self) -> None:
-        if self._log_fh is not None:
-            with contextlib.suppress(OSError):
-                self._log_fh.close()
-            self._log_fh = None
 
     def __enter__(self) -> EtcdServer:
         return self.start()
@@ -526,20 +512,3 @@ def _setup_auth_calls(server: EtcdServer, timeout_s: float) -> None:
         )
         phase([(stub.AuthEnable, pb.AuthEnableRequest())])
     log.info("etcd auth enabled: users %s", ", ".join(ETCD_USERS))
-
-
-def _terminate_group(proc: subprocess.Popen[bytes], grace_s: float) -> int | None:
-    """SIGTERM the process group led by `proc`, then SIGKILL it after `grace_s`."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            log.warning("pid %d ignored SIGTERM for %.1fs; sending SIGKILL", proc.pid, grace_s)
-    # Kill stragglers in the group (and the leader if it is still alive).
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5.0)
-    return proc.returncode

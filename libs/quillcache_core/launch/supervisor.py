@@ -23,16 +23,31 @@ starts one once the cluster is up and stops it before stopping the processes.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
+
+from quillcache_core.launch.process import Child, signal_group
 
 if TYPE_CHECKING:
-    from quillcache_core.launch.cluster import Child, LocalCluster
+    from quillcache_core.launch.etcd_server import EtcdServer
+
+
+class Supervised(Protocol):
+    """What the supervisor needs of a cluster (`LocalCluster` is one)."""
+
+    lock: threading.Lock
+    children: list[Child]
+    etcd: EtcdServer | None
+
+    def respawn(self, child: Child) -> None: ...
+
+    def ready(self, child: Child) -> bool: ...
+
+    def log(self, line: str) -> None: ...
+
 
 # READY line field -> the flag that binds the same port again, per service.
 PORT_FLAGS: dict[str, dict[str, str]] = {
@@ -83,7 +98,7 @@ class _Watch:
 class Supervisor:
     def __init__(
         self,
-        cluster: LocalCluster,
+        cluster: Supervised,
         *,
         initial_backoff_s: float = 0.5,
         max_backoff_s: float = 10.0,
@@ -167,8 +182,7 @@ class Supervisor:
                     f"supervisor: {child.name} not healthy {self.start_timeout_s:.0f}s after "
                     "its restart: killing it"
                 )
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
+                signal_group(child.proc, signal.SIGKILL)
             return
         self._maybe_stable(watch, now)
 
@@ -194,8 +208,7 @@ class Supervisor:
         if etcd.running:
             self._maybe_stable(watch, now)
             return
-        proc = getattr(etcd, "_proc", None)
-        self._exited("etcd", watch, proc.poll() if proc is not None else None, now)
+        self._exited("etcd", watch, etcd.returncode, now)
 
     # --- bookkeeping -----------------------------------------------------------------
 
