@@ -1,7 +1,8 @@
 """Every plan stays as it was: a recorded run of the conductor (plans as the gateway asks
 them, engines' KV events with their token ids, store residency, first tokens, Finishes
 with observed blocks, splits onto a prefill engine, expiries) yields the decisions kept
-in `plans_replay.json`, request by request.
+in `plans_replay.json`, request by request; so do the fleet simulator's runs of every
+policy on its workloads (engine, planned hits and fetches, estimated TTFT).
 
 A change that moves code and should decide nothing differently must leave this test
 green. A change meant to plan differently re-records the file on purpose:
@@ -18,6 +19,9 @@ from pathlib import Path
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2
+from quillcache_bench.fleetsim.command import policy_fleet
+from quillcache_bench.fleetsim.sim import FleetConfig, FleetSim
+from quillcache_bench.fleetsim.workloads import WORKLOAD_NAMES, make_workload
 from quillcache_conductor.events import EventRouter
 from quillcache_conductor.servicer import ConductorServicer
 from quillcache_conductor.state import ConductorState
@@ -27,6 +31,7 @@ from quillcache_core.model import CostModel
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord
 from quillcache_core.routing.planner import CostPlanner
+from quillcache_core.routing.references import POLICY_NAMES, make_policy
 
 pytestmark = pytest.mark.unit
 
@@ -222,11 +227,47 @@ def replay() -> list[dict]:
     return out
 
 
-def test_the_recorded_run_plans_as_before():
-    got = replay()
+def fleet_runs() -> dict[str, dict]:
+    """Each policy of the fleet simulator on each workload: per request, the engine and
+    what the plan said (hits, fetches, estimated TTFT)."""
+    config = FleetConfig(engines=4, stores=2, domains=2, hbm_blocks=512,
+                         dram_bytes=256 << 21, ssd_bytes=512 << 21)  # fmt: skip
+    out = {}
+    for workload in WORKLOAD_NAMES:
+        for policy in POLICY_NAMES:
+            wl = make_workload(workload, 80, 5)
+            fleet = policy_fleet(config, policy, frozenset({"quillcache"}))
+            rate = 0.7 * wl.saturation_rate(fleet.engines, fleet.cost_model)
+            sim = FleetSim(fleet, make_policy(policy, CostModel()), wl.requests,
+                           wl.arrivals_us(rate, 5), seed=5)  # fmt: skip
+            run = sim.run()
+            out[f"{workload}/{policy}"] = {
+                "engine": run.engine_of.tolist(),
+                "hit": run.planned_hit_blocks.tolist(),
+                "fetch": run.planned_fetch_blocks.tolist(),
+                "est_ttft_us": [round(float(x), 1) for x in run.est_ttft_us],
+            }
+    return out
+
+
+@pytest.fixture(scope="module")
+def golden() -> tuple[dict, dict]:
+    got = {"conductor": replay(), "fleetsim": fleet_runs()}
     if os.environ.get("QUILLCACHE_RECORD_PLANS"):
         GOLDEN.write_text(json.dumps(got, indent=None, separators=(",", ":")) + "\n")
-    want = json.loads(GOLDEN.read_text())
+    return got, json.loads(GOLDEN.read_text())
+
+
+def test_the_fleet_simulators_runs_plan_as_before(golden):
+    got, want = golden
+    assert got["fleetsim"].keys() == want["fleetsim"].keys()
+    for name, runs in got["fleetsim"].items():
+        assert runs == want["fleetsim"][name], f"{name} planned differently"
+
+
+def test_the_recorded_run_plans_as_before(golden):
+    got, want = golden
+    got, want = got["conductor"], want["conductor"]
     assert len(got) == len(want)
     for n, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, f"request {n} planned differently"
