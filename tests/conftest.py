@@ -3,9 +3,9 @@
 Where a test lives: `unit/` (pure logic, marker `unit`), `integration/` (real processes
 on loopback, `integration`), `e2e/` (the whole local cluster, `e2e`); every file sets
 its directory's marker as `pytestmark`. The tests of a module are named after it:
-`unit/test_<module>.py` (`conductor/ledger.py` -> `unit/test_reservation_ledger.py`
-where the module's name alone would be ambiguous, as `test_<what it holds>.py`), and a
-feature that crosses modules is named after the feature (`test_plans_replay.py`)."""
+`unit/test_<module>.py` (`conductor/ledger.py` -> `unit/test_ledger.py`), or
+`test_<service>_<module>.py` where two services have a module of that name; a feature
+that crosses modules is named after the feature (`test_plans_replay.py`)."""
 
 from __future__ import annotations
 
