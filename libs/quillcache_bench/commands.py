@@ -46,6 +46,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_bench.live_bench",
         "live TTFT vs the real sglang-router and vllm-router in front of the same engines",
     ),
+    "bench-inference-perf": (
+        "quillcache_bench.inference_perf",
+        "the capacity race's docqa shape driven by inference-perf, QuillCache against SMG",
+    ),
     "bench-disagg": (
         "quillcache_bench.disagg",
         "prefill/decode disaggregation vs colocated on a decode-heavy load: TTFT, inter-token",

@@ -154,20 +154,31 @@ def figures(phase: Phase, slo_ms: float) -> dict[str, float | int]:
 def main(args) -> int:
     """Start the cluster (2 vLLM engines of the benchmark model, each capped at
     `--engine-kv-tokens`, 2 store nodes whose DRAM holds the largest W asked) and race."""
-    from quillcache_core.launch import vllm_engine, vllm_env
-    from quillcache_core.launch.cluster import ClusterError, LocalCluster
     from quillcache_core.launch.up import build_parser as up_parser
 
     if args.engine != "vllm":
         raise SystemExit("the capacity workloads run on real vLLM: add --engine vllm")
     args.engines = args.engines or 2
     args.conductors = args.conductors or int(up_parser().get_default("conductors"))
+    ratios = _ratios(args)
+    with capacity_cluster(args, max(ratios)) as (cluster, endpoints, engines, systems):
+        return run(args, cluster, endpoints, engines, systems)
+
+
+@contextlib.contextmanager
+def capacity_cluster(args, max_ratio: float):
+    """The race's cluster, started: `args.engines` vLLM engines of the benchmark model,
+    each capped at `args.engine_kv_tokens`, and 2 store nodes whose DRAM holds a working
+    set of `max_ratio` times the engines' capacity. Yields (cluster, endpoints, engines,
+    systems); stopped at the end."""
+    from quillcache_core.launch import vllm_engine, vllm_env
+    from quillcache_core.launch.cluster import ClusterError, LocalCluster
+
     env = vllm_env.ensure(log=lambda m: print(m, flush=True))
     model_dir = vllm_env.ensure_bench_model(env, log=lambda m: print(m, flush=True))
-    ratios = _ratios(args)
     per_token = vllm_engine.ModelKv.of(model_dir).bytes_per_token
     capacity = args.engines * args.engine_kv_tokens
-    dram = max(1 << 30, int(1.25 * max(ratios) * capacity * per_token / STORES))
+    dram = max(1 << 30, int(1.25 * max_ratio * capacity * per_token / STORES))
     with contextlib.ExitStack() as stack:
         data_dir = Path(
             args.data_dir
@@ -207,8 +218,7 @@ def main(args) -> int:
             for c in cluster.children
             if c.name.startswith("engine-") and not c.name.endswith("-registration")
         ]
-        systems = Systems(cluster, engines, bypass, data_dir / "logs")
-        return run(args, cluster, endpoints, engines, systems)
+        yield cluster, endpoints, engines, Systems(cluster, engines, bypass, data_dir / "logs")
 
 
 def _ratios(args) -> list[float]:
