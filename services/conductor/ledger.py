@@ -137,15 +137,6 @@ class ReservationLedger:
         self._charged.pop(reservation_id, None)
         return self.open.pop(reservation_id, None)
 
-    def close_all(self) -> list[Reservation]:
-        """Close every open reservation (a peer dropped) and forget their overlay."""
-        closed = list(self.open.values())
-        for res in closed:
-            self.open.pop(res.id)
-            self._release(res)
-            self.forget(res)
-        return closed
-
     # --- the overlay -----------------------------------------------------------------
 
     def forget(self, res: Reservation) -> None:
