@@ -120,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="qc-inference-perf-") as tmp:
         with live_capacity.capacity_cluster(args, 2.0) as (cluster, endpoints, engines, systems):
-            count = live_capacity._token_counter(cluster.vllm_model_dir)
+            count = live_capacity.token_counter(cluster.vllm_model_dir)
             ours = live_capacity.Target(endpoints["gateway_url"], None, endpoints["api_keys"],
                                         cluster.model)  # fmt: skip
-            live_capacity._calibrate(ours, count)
+            live_capacity.calibrate(ours, count)
             others = [c.proc.pid for c in cluster.children
                       if c.proc is not None and not c.name.startswith("engine")]  # fmt: skip
             for system in SYSTEMS:

@@ -21,7 +21,7 @@ second); errors; the share of prompt tokens vLLM found in its own cache and the 
 loaded through a connector; the control path's CPU a request. The SLO is 4x the TTFT of
 one fully cached request of the workload, measured on the engines at the start (stated
 in the results). Before the race, sixteen documents go through QuillCache's gateway
-unmeasured (`_calibrate`): its conductors learn the engines' prefill speed from what
+unmeasured (`calibrate`): its conductors learn the engines' prefill speed from what
 they observe, as a deployment's have before its first busy hour. Writes bench/results/live-vllm-capacity-<UTC>.json and
 live-vllm-capacity-latest.{json,png}.
 """
@@ -294,7 +294,7 @@ def run(args, cluster, endpoints, engines: list[Engine], systems_of: Systems) ->
         raise SystemExit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     runs_per_cell = args.runs or (1 if args.quick else 3)
     capacity = len(engines) * args.engine_kv_tokens
-    count = _token_counter(cluster.vllm_model_dir)
+    count = token_counter(cluster.vllm_model_dir)
     quillcache = Target(endpoints["gateway_url"], tenant_context(endpoints), endpoints["api_keys"],
                         cluster.model)  # fmt: skip
     ours_all = {
@@ -304,7 +304,7 @@ def run(args, cluster, endpoints, engines: list[Engine], systems_of: Systems) ->
     }
     slo_ms = {w: SLO_HITS * _hit_ttft_ms(engines, cluster.model, w, count) for w in workloads}
     if OURS in systems:
-        _calibrate(quillcache, count)
+        calibrate(quillcache, count)
     print("goodput SLO (4x one cached request's TTFT): "
           + ", ".join(f"{w} {v:.0f} ms" for w, v in slo_ms.items()), flush=True)  # fmt: skip
     cells = [(w, ratio, r) for w in workloads for ratio in ratios for r in range(runs_per_cell)]
@@ -377,7 +377,7 @@ def _phase(
     return Phase(samples, served, cpu1[""] - cpu0[""], by_process)
 
 
-def _token_counter(model_dir: Path):
+def token_counter(model_dir: Path):
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
@@ -412,7 +412,7 @@ def _hit_ttft_ms(engines: list[Engine], model: str, workload: str, count) -> flo
     return statistics.median(times) if times else 1000.0
 
 
-def _calibrate(quillcache: Target, count) -> None:
+def calibrate(quillcache: Target, count) -> None:
     """Sixteen documents of the docqa shape through QuillCache's gateway, unmeasured,
     before the race: a deployment's conductors have seen its engines' prefills before
     (they learn the speed from the requests' first tokens and price queues with it;

@@ -302,6 +302,15 @@ def metric_sum(text: str, name: str) -> float:
     return total
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (or gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return text[text.rindex(")") + 2] in "Tt"
+
+
 @contextlib.contextmanager
 def paused(pids: list[int], settle_s: float):
     """QuillCache's own processes stopped (SIGSTOP) while a reference router runs: behind
@@ -315,6 +324,11 @@ def paused(pids: list[int], settle_s: float):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
+        # A signal is delivered when its process is next scheduled: wait until each is
+        # stopped, so nothing of ours runs once the router's measurement begins.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not all(map(_stopped, stopped)):
+            time.sleep(0.005)
         yield
     finally:
         for pid in stopped:
