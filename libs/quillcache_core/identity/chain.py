@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from itertools import count, repeat
 
 from quillcache_core.errors import InvalidArgument
@@ -24,9 +23,9 @@ from quillcache_core.identity.hashing import ROOT_PARENT, RecentChains, block_ha
 from quillcache_core.model import IdentityScope, KvBlockKey
 from quillcache_core.wire.plan import HASH_BYTES, unpack_hashes
 
-# tuple.__new__ bound to the class: C all the way, where NamedTuple._make is a Python
-# call per key.
-_new_key = partial(tuple.__new__, KvBlockKey)
+# tuple.__new__ mapped over (the class, each key's fields): C all the way, where
+# NamedTuple._make (or a partial binding the class) is another call per key.
+_new = tuple.__new__
 
 
 def chain_keys(
@@ -56,7 +55,8 @@ def chain_keys(
         parents.pop()
     return list(
         map(
-            _new_key,
+            _new,
+            repeat(KvBlockKey),
             zip(
                 repeat(model_id),
                 repeat(tokenizer_id),
