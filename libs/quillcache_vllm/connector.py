@@ -79,9 +79,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.keys import block_identity
 from quillcache_core.model import KvBlockKey
 from quillcache_core.security.tls import Tls
+from quillcache_core.wire.engine_plan import EnginePlan
 from quillcache_vllm import metrics
 from quillcache_vllm.pool import Pool
 
@@ -92,7 +94,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PLAN_FIELD = "quillcache"  # the gateway's plan in a request's kv_transfer_params
 GIL_SWITCH_INTERVAL_S = 0.0002  # the worker's, while this connector is in it (see __init__)
 MAX_LOOKUPS = 4096  # requests' store lookups kept (each until its request finishes)
 STAGING_BYTES = 256 << 20  # a load's staging buffer, at most (larger loads go in pieces)
@@ -139,31 +140,14 @@ class _Tracked:
     loaded_async: bool = False  # they went: not loaded again when it is scheduled
 
 
-def _plan(request: Request) -> dict:
-    """The gateway's plan the request carries ({} for none, or one not an object)."""
-    params = request.kv_transfer_params or {}
-    plan = params.get(PLAN_FIELD) if isinstance(params, dict) else None
-    return plan if isinstance(plan, dict) else {}
-
-
-def _plan_fetch(request: Request) -> list:
-    """The plan's fetch list: one entry a block ([] for none, or one not a list)."""
-    fetch = _plan(request).get("fetch")
-    return fetch if isinstance(fetch, list) else []
-
-
-def _prefill_for_another(request: Request) -> bool:
-    """Whether the gateway's plan marks this request as a prefill for a decode engine."""
-    return _plan(request).get("disagg") == "prefill"
-
-
-def _plan_sources(request: Request) -> dict[str, str]:
-    """Block hash -> the peer store node (gRPC address) the gateway's plan fetches it from."""
-    return {
-        str(a["block_hash"]): str(a["source_address"])
-        for a in _plan_fetch(request)
-        if isinstance(a, dict) and a.get("block_hash") and a.get("source_address")
-    }
+def _plan_fetchable(plan: EnginePlan | None, held: int, total: int) -> int:
+    """The leading blocks held here or, by the gateway's plan, on a peer store node."""
+    if plan is None or not plan.fetch:
+        return held
+    fetchable = plan.fetch_indices()
+    while held < total and held in fetchable:
+        held += 1
+    return held
 
 
 class QuillCacheConnector(KVConnectorBase_V1):
@@ -199,6 +183,9 @@ class QuillCacheConnector(KVConnectorBase_V1):
         # request id -> its store lookup in flight: (vLLM's hit in index blocks when it
         # was asked, the Future of the count after it, the deadline)
         self._lookups: dict[str, tuple[int, Future, float]] = {}
+        # request id -> the gateway's plan it carries (None: none, or a malformed one),
+        # read once: vLLM asks about a request again each step it cannot schedule it.
+        self._plans: dict[str, EnginePlan | None] = {}
         self.lookup_deadline_s = float(extra.get("lookup_deadline_ms", 250)) / 1000
         self.bypass_file = str(extra.get("bypass_file") or "")
         # Loads in the background (vLLM's asynchronous loading) unless `async_loads` is
@@ -251,18 +238,36 @@ class QuillCacheConnector(KVConnectorBase_V1):
         usable = (len(tokens) - 1) // self.block_size * self.block_size
         return identity.keys(tokens[:usable], self.index_block)
 
-    def _held(self, request: Request, keys: list[KvBlockKey], local: int) -> int | None:
+    def _plan(self, request: Request) -> EnginePlan | None:
+        """The gateway's plan `request` carries, read once (`EnginePlan`, its codec); a
+        malformed one counts and the request is served as one without a plan."""
+        try:
+            return self._plans[request.request_id]
+        except KeyError:
+            pass
+        try:
+            plan = EnginePlan.from_params(request.kv_transfer_params)
+        except InvalidArgument as exc:
+            self.pool.counters.plans_malformed += 1
+            logger.warning("request %s: %s; served without a plan", request.request_id, exc)
+            plan = None
+        if len(self._plans) >= MAX_LOOKUPS:  # requests vLLM dropped unannounced
+            self._plans.clear()
+        self._plans[request.request_id] = plan
+        return plan
+
+    def _held(
+        self, request: Request, plan: EnginePlan | None, keys: list[KvBlockKey], local: int
+    ) -> int | None:
         """The prompt's leading index blocks vLLM (its first `local`) and then the pool
         hold: from the conductor's plan when it has one that covers vLLM's hit, else by
         asking the store node about the blocks after vLLM's (None until it answers)."""
         if local >= len(keys):
             self.pool.counters.lookups_skipped += 1
             return len(keys)
-        plan = _plan(request)
-        hit = plan.get("hit_blocks")
-        if plan.get("reservation_id") and isinstance(hit, int) and hit <= local:
+        if plan is not None and plan.planned and plan.hit_blocks <= local:
             self.pool.counters.lookups_planned += 1
-            return self._plan_fetchable(request, local, len(keys))
+            return _plan_fetchable(plan, local, len(keys))
         # Kept until the request finishes: vLLM asks again each step it cannot schedule it.
         pending = self._lookups.get(request.request_id)
         if pending is None:
@@ -280,7 +285,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
         found = 0
         if future.done() and not future.cancelled() and future.exception() is None:
             found = future.result()
-        return self._plan_fetchable(request, max(local, asked_at + found), len(keys))
+        return _plan_fetchable(plan, max(local, asked_at + found), len(keys))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -296,6 +301,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
             self.pool.counters.requests_bypassed += 1
             return 0, False  # not tracked: nothing loaded or saved for it
         keys = self._keys(request)
+        plan = self._plan(request)
         local = num_computed_tokens // self.index_block
         before = self._tracked.get(request.request_id)
         if before is not None and before.loaded_async:
@@ -303,7 +309,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
             # blocks) or it was preempted since. It computes what vLLM lacks.
             held: int | None = local
         else:
-            held = self._held(request, keys, local)
+            held = self._held(request, plan, keys, local)
         if held is None:
             return None, False  # vLLM asks again at its next step
         matched = held // self.parts * self.block_size
@@ -311,21 +317,13 @@ class QuillCacheConnector(KVConnectorBase_V1):
             keys,
             held,
             num_computed_tokens,
-            producer=self.producer or _prefill_for_another(request),
-            sources=_plan_sources(request),
+            producer=self.producer or (plan is not None and plan.prefill_for_another),
+            sources=plan.sources() if plan is not None else {},
         )
         if matched <= num_computed_tokens:
             return 0, False
         tracked.load_async = self.async_loads
         return matched - num_computed_tokens, tracked.load_async
-
-    @staticmethod
-    def _plan_fetchable(request: Request, held: int, total: int) -> int:
-        """The leading blocks held here or, by the gateway's plan, on a peer store node."""
-        fetchable = {a.get("block_index") for a in _plan_fetch(request) if isinstance(a, dict)}
-        while held < total and held in fetchable:
-            held += 1
-        return held
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int):
         tracked = self._tracked.get(request.request_id)
@@ -407,6 +405,7 @@ class QuillCacheConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
         self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._plans.pop(request.request_id, None)
         return False, None
 
     # --- worker side --------------------------------------------------------------------

@@ -63,6 +63,7 @@ class PoolCounters:
     lookups: int = 0  # Exists asked of the store node (scheduler side)
     lookup_seconds: float = 0.0
     lookups_planned: int = 0  # answered from the conductor's plan, no store call
+    plans_malformed: int = 0  # a request's plan its codec refused: served without one
     lookups_skipped: int = 0  # vLLM's own hit covered the prompt: nothing to ask
     lookups_late: int = 0  # not answered by the deadline: the request computed instead
     requests_bypassed: int = 0  # served as without the connector (its bypass file)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from quillcache.v1 import common_pb2, conductor_pb2
+from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.keys import block_identity
 from quillcache_core.wire import engine_plan
 from quillcache_core.wire.engine_plan import EnginePlan
@@ -69,3 +70,43 @@ def test_attach_keeps_the_clients_other_transfer_params_and_a_continuation_says_
     assert engine_plan.attach({"kv_transfer_params": 3}, plan)["kv_transfer_params"] == {
         engine_plan.FIELD: plan
     }
+
+
+def test_what_the_connector_reads_from_a_requests_params_is_what_the_gateway_planned():
+    written = engine_plan.plan_json(reply(), IDENTITY, 16, HASHES)
+    plan = EnginePlan.from_params(
+        engine_plan.attach({"kv_transfer_params": {"x": 1}}, written)["kv_transfer_params"]
+    )
+    assert plan is not None and plan.planned and not plan.prefill_for_another
+    assert plan.fetch_indices() == {1, 2}
+    assert plan.sources() == {HASHES[1]: "h:1", HASHES[2]: "h:1"}
+    split = EnginePlan.from_json(engine_plan.for_prefill(written, "r-p", "e-p"))
+    assert split.prefill_for_another and split.fetch_indices() == frozenset()
+    # A request without a plan, or params that are not an object, carry none.
+    assert EnginePlan.from_params(None) is None
+    assert EnginePlan.from_params({"other": 1}) is None
+    assert EnginePlan.from_params([1, 2]) is None
+    # The gateway's own fallback plan holds no reservation: not the conductor's.
+    assert not EnginePlan.from_json({**written, "reservation_id": ""}).planned
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"hit_blocks": "3"},
+        {"hit_blocks": True},
+        {"block_size": 1.5},
+        {"reservation_id": 7},
+        {"fetch": [{"block_index": "1", "block_hash": "a", "source_node": "s",
+                    "source_address": "h:1", "tier": "cpu_dram"}]},
+        {"fetch": [{"block_index": 1, "block_hash": "a", "source_node": "s",
+                    "source_address": "h:1", "tier": "cpu_dram", "extra": 1}]},
+        {"fetch": [{"block_index": 1}]},
+        {"fetch": [{"block_index": 1, "block_hash": "a", "source_node": "s",
+                    "source_address": "h:1", "tier": "floppy"}]},
+    ],
+)  # fmt: skip
+def test_a_plan_of_the_wrong_shape_is_refused_with_its_reason_never_read_half(change):
+    written = {**engine_plan.plan_json(reply(), IDENTITY, 16, HASHES), **change}
+    with pytest.raises(InvalidArgument):
+        EnginePlan.from_params({engine_plan.FIELD: written})

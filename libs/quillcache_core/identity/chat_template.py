@@ -29,7 +29,7 @@ from datetime import datetime
 from typing import Any
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.identity.tokenize import text_parts
+from quillcache_core.identity.messages import text_parts
 
 # A `{% for x in message['content'] %}`-like loop: the template reads content parts.
 _CONTENT_LOOP = re.compile(

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Protocol
 
 from quillcache_core.errors import InvalidArgument
+from quillcache_core.identity.messages import text_parts
 from quillcache_core.identity.prefix_memo import PrefixMemo
 
 logger = logging.getLogger(__name__)
@@ -430,21 +431,6 @@ def render_chat(messages: Sequence[Mapping]) -> str:
         out.append(f"<|im_start|>{role}\n{_content_text(message.get('content'), i)}<|im_end|>\n")
     out.append("<|im_start|>assistant\n")
     return "".join(out)
-
-
-def text_parts(content: list, index: int) -> list[str | None]:
-    """OpenAI content parts, checked: each text part's text, None for other kinds."""
-    out: list[str | None] = []
-    for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-            raise InvalidArgument(f"messages[{index}].content[{j}] must be an object with a type")
-        if part["type"] != "text":
-            out.append(None)
-            continue
-        if not isinstance(part.get("text"), str):
-            raise InvalidArgument(f"messages[{index}].content[{j}].text must be a string")
-        out.append(part["text"])
-    return out
 
 
 def _content_text(content, index: int) -> str:

@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from quillcache_core.launch import vllm_engine
@@ -36,6 +38,34 @@ DEMO_TENANTS = ("acme", "globex")
 
 class ClusterError(RuntimeError):
     """A process of the cluster failed to start or become healthy."""
+
+
+@dataclass(frozen=True)
+class Ref:
+    """An argument known once earlier services are up: the READY field `field` of the
+    services `names`, joined by commas (the conductors' addresses, a store's)."""
+
+    names: tuple[str, ...]
+    field: str = "grpc"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One process of the local topology: its name, its service (a `quillcache_core.
+    launch.cli` service, or "vllm": a real server and its registration), its arguments,
+    and the store node an engine loads and saves through."""
+
+    name: str
+    service: str
+    args: tuple[str | Ref, ...]
+    store: str | None = None
+
+    def resolve(self, fields: Mapping[str, Mapping[str, str]]) -> list[str]:
+        """The arguments, each `Ref` replaced by what the services it names reported."""
+        return [
+            arg if isinstance(arg, str) else ",".join(fields[n][arg.field] for n in arg.names)
+            for arg in self.args
+        ]
 
 
 class LocalCluster:
@@ -141,6 +171,83 @@ class LocalCluster:
             self.supervisor.start()
         return endpoints
 
+    def topology(self) -> list[ServiceSpec]:
+        """The cluster as data: every process after etcd, in the order it starts, with
+        its arguments; a `Ref` names what an earlier one's READY line will say."""
+        registry = ["--registry", Ref(("etcd",), "url"), "--lease-ttl-s", str(self.lease_ttl_s)]
+        conductors = tuple(
+            "conductor" if i == 0 else f"conductor-{i}" for i in range(self.conductors)
+        )
+        stores = tuple(f"store-{i}" for i in range(self.stores))
+        specs = [
+            ServiceSpec(
+                name,
+                "conductor",
+                (
+                    *registry,
+                    "--node-id",
+                    f"conductor-{i}",
+                    "--policy",
+                    self.policy,
+                    *self._index_args(i),
+                ),
+            )  # fmt: skip
+            for i, name in enumerate(conductors)
+        ]
+        specs += [
+            ServiceSpec(
+                name,
+                "store",
+                (
+                    *registry,
+                    "--node-id",
+                    name,
+                    "--locality-domain",
+                    f"rack-{i % 2}",
+                    "--data-dir",
+                    str(self.data_dir / name),
+                    "--dram-capacity-bytes",
+                    str(self.dram_capacity_bytes),
+                    "--ssd-capacity-bytes",
+                    str(self.ssd_capacity_bytes),
+                    "--conductor",
+                    Ref(conductors),
+                ),
+            )  # fmt: skip
+            for i, name in enumerate(stores)
+        ]
+        if stores:
+            specs.append(ServiceSpec("transfer", "transfer", tuple(registry)))
+        for i in range(self.engines):
+            store = stores[i % len(stores)] if stores else None
+            options = self.engine_options.get(i, {})
+            if self.engine_kind == "vllm":
+                specs.append(ServiceSpec(f"engine-{i}", "vllm", tuple(registry), store=store))
+                continue
+            specs.append(
+                ServiceSpec(
+                    f"engine-{i}",
+                    "sim-engine",
+                    (*registry, "--node-id", f"engine-{i}", "--model", self.model,
+                     "--locality-domain", f"rack-{(i % (len(stores) or 2)) % 2}",
+                     "--hbm-blocks", str(self.hbm_blocks), "--time-scale", str(self.time_scale),
+                     *(("--store", Ref((store,)), "--store-node-id", store) if store else ()),
+                     *options.get("sim_args", []), "--role", options.get("role", "both")),
+                    store=store,
+                )
+            )  # fmt: skip
+        keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
+        specs.append(
+            ServiceSpec(
+                "gateway",
+                "gateway",
+                # The registry: a split's transfers go through the transfer service.
+                ("--conductor", Ref(conductors), "--api-keys", keys, "--registry",
+                 Ref(("etcd",), "url")),
+            )
+        )  # fmt: skip
+        return specs
+
     def _start(self, timeout_s: float) -> dict:
         logs = self.data_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -152,89 +259,37 @@ class LocalCluster:
         )
         self.etcd.start()
         self.log(f"etcd       {self.etcd.client_url}")
-        registry = ["--registry", self.etcd.client_url, "--lease-ttl-s", str(self.lease_ttl_s)]
+        started: dict[str, Child] = {}
+        fields = {"etcd": {"url": self.etcd.client_url}}
+        engines = 0
+        for spec in self.topology():
+            args = spec.resolve(fields)
+            if spec.service == "vllm":
+                child = self._start_vllm(int(spec.name.split("-")[1]), started[spec.store],
+                                         args, timeout_s)  # fmt: skip
+            else:
+                if spec.service == "gateway":
+                    # The gateway can route only once every conductor sees every engine.
+                    for c in (c for c in started.values() if c.service == "conductor"):
+                        self._wait_engines_visible(c.fields["grpc"], engines, timeout_s)
+                child = self._run(spec.name, spec.service, args, timeout_s)
+            engines += spec.service in ("vllm", "sim-engine")
+            started[spec.name] = child
+            fields[spec.name] = child.fields
+        return self._endpoints(started)
 
-        conductors = [
-            self._run(
-                "conductor" if i == 0 else f"conductor-{i}",
-                "conductor",
-                [
-                    *registry,
-                    "--node-id",
-                    f"conductor-{i}",
-                    "--policy",
-                    self.policy,
-                    *self._index_args(i),
-                ],
-                timeout_s,
-            )
-            for i in range(self.conductors)
-        ]
-        conductor = conductors[0]
-        replicas = ",".join(c.fields["grpc"] for c in conductors)
-        stores = []
-        for i in range(self.stores):
-            stores.append(
-                self._run(
-                    f"store-{i}",
-                    "store",
-                    [
-                        *registry,
-                        "--node-id",
-                        f"store-{i}",
-                        "--locality-domain",
-                        f"rack-{i % 2}",
-                        "--data-dir",
-                        str(self.data_dir / f"store-{i}"),
-                        "--dram-capacity-bytes",
-                        str(self.dram_capacity_bytes),
-                        "--ssd-capacity-bytes",
-                        str(self.ssd_capacity_bytes),
-                        "--conductor",
-                        replicas,
-                    ],
-                    timeout_s,
-                )
-            )
-        transfer = self._run("transfer", "transfer", [*registry], timeout_s) if stores else None
-        engines = []
-        for i in range(self.engines):
-            store = stores[i % len(stores)] if stores else None
-            if self.engine_kind == "vllm":
-                engines.append(self._start_vllm(i, store, registry, timeout_s))
-                continue
-            engines.append(
-                self._run(
-                    f"engine-{i}",
-                    "sim-engine",
-                    [
-                        *registry,
-                        "--node-id",
-                        f"engine-{i}",
-                        "--model",
-                        self.model,
-                        "--locality-domain",
-                        f"rack-{(i % (len(stores) or 2)) % 2}",
-                        "--hbm-blocks",
-                        str(self.hbm_blocks),
-                        "--time-scale",
-                        str(self.time_scale),
-                        *(
-                            ["--store", store.fields["grpc"], "--store-node-id", store.name]
-                            if store is not None
-                            else []
-                        ),  # fmt: skip
-                        *self.engine_options.get(i, {}).get("sim_args", []),
-                        "--role",
-                        self.engine_options.get(i, {}).get("role", "both"),
-                    ],
-                    timeout_s,
-                )
-            )
-        gateway = self._start_gateway(conductors, len(engines), timeout_s)
+    def _endpoints(self, started: dict[str, Child]) -> dict:
+        """What `quillcache up` prints and writes to the endpoints file."""
+
+        def of(service: str) -> list[Child]:
+            return [c for c in started.values() if c.service == service]
+
+        conductors, stores = of("conductor"), of("store")
+        engines = [c for c in started.values() if c.service in ("vllm", "sim-engine")]
+        gateway, transfer = started["gateway"], started.get("transfer")
         return {
             "gateway_url": gateway.fields["http"],
-            "conductor": conductor.fields["grpc"],  # the first, for older clients
+            "conductor": conductors[0].fields["grpc"],  # the first, for older clients
             "conductors": [c.fields["grpc"] for c in conductors],
             "stores": [s.fields["grpc"] for s in stores],
             "transfer": transfer.fields["grpc"] if transfer is not None else None,
@@ -268,17 +323,6 @@ class LocalCluster:
             args += ["--index-path", str(self.data_dir / name)]
         return args
 
-    def _start_gateway(self, conductors: list[Child], engines: int, timeout_s: float) -> Child:
-        """The gateway with the demo tenants' keys, once every conductor sees every engine."""
-        keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
-        replicas = ",".join(c.fields["grpc"] for c in conductors)
-        registry = ["--registry", self.etcd.client_url] if self.etcd else []  # transfer: splits
-        args = ["--conductor", replicas, "--api-keys", keys, *registry]
-        gateway = self._run("gateway", "gateway", args, timeout_s)
-        for conductor in conductors:
-            self._wait_engines_visible(conductor.fields["grpc"], engines, timeout_s)
-        return gateway
-
     def _run(self, name: str, service: str, args: list[str], timeout_s: float) -> Child:
         args = [*args, *self._security_args(), *self.extra_args.get(service, [])]
         child = Child(
@@ -310,7 +354,8 @@ class LocalCluster:
         return child
 
     def _start_vllm(self, i: int, store: Child, registry: list[str], timeout_s: float) -> Child:
-        """A real vLLM server, then its registration (`quillcache register-engine`)."""
+        """A real vLLM server, then its registration (`quillcache register-engine`);
+        `registry` is `--registry URL ...` as the spec resolved it."""
         from quillcache_core.launch import vllm_env
 
         env = vllm_env.find(build_model=self.vllm_model_dir is None)

@@ -24,7 +24,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,6 +205,16 @@ class ManagedProcess:
             f"{self.log_tail()}"
         )
 
+    def _polls(self, timeout_s: float) -> Iterator[None]:
+        """One step per try until `timeout_s`: fails fast when the process exits, and
+        with the log's tail once the time is up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            yield
+            if time.monotonic() >= deadline:
+                raise self._timed_out(timeout_s)
+
     def wait_ready(
         self, predicate: Predicate, *, timeout_s: float = 10.0, interval_s: float = 0.05
     ) -> None:
@@ -213,38 +223,26 @@ class ManagedProcess:
         A coroutine predicate is run with asyncio.run (so do not call this from a
         running event loop; use `wait_ready_async` there). Exceptions from the
         predicate count as "not ready yet"."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.check_alive()
-            try:
+        for _ in self._polls(timeout_s):
+            with contextlib.suppress(Exception):  # not ready yet
                 result = predicate()
                 if inspect.isawaitable(result):
                     result = asyncio.run(_await(result))
                 if result:
                     return
-            except Exception:  # noqa: BLE001 - not ready yet
-                pass
-            if time.monotonic() >= deadline:
-                raise self._timed_out(timeout_s)
             time.sleep(interval_s)
 
     async def wait_ready_async(
         self, predicate: Predicate, *, timeout_s: float = 10.0, interval_s: float = 0.05
     ) -> None:
         """Like `wait_ready`, from inside an event loop (sync or async predicate)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.check_alive()
-            try:
+        for _ in self._polls(timeout_s):
+            with contextlib.suppress(Exception):  # not ready yet
                 result = predicate()
                 if inspect.isawaitable(result):
                     result = await result
                 if result:
                     return
-            except Exception:  # noqa: BLE001 - not ready yet
-                pass
-            if time.monotonic() >= deadline:
-                raise self._timed_out(timeout_s)
             await asyncio.sleep(interval_s)
 
     def signal(self, sig: int) -> None:

@@ -8,7 +8,8 @@ Writers (the gateway, for a whole request, a split's prefill and its continuatio
 `plan_json(reply, identity, block_size, hashes)` turns a conductor's PlanReply into
 the engine's JSON without a Python object per block; `for_prefill` and `continued`
 derive a split's two calls from it; `attach(body, plan)` puts it into a request body.
-Readers (the vLLM connector, the sim engine): `EnginePlan.from_json`.
+Readers (the vLLM connector, the sim engine): `EnginePlan.from_json`, or
+`EnginePlan.from_params` over a request's whole `kv_transfer_params`.
 """
 
 from __future__ import annotations
@@ -65,10 +66,43 @@ class EnginePlan:
             fetch = tuple(FetchAction(**f) for f in body.get("fetch", ()))
             for action in fetch:
                 CacheTier.parse(action.tier)
+                _check(action.block_index, int, "fetch[].block_index")
+                _check(action.block_hash, str, "fetch[].block_hash")
+                _check(action.source_address, str, "fetch[].source_address")
             values = {k: body[k] for k in cls.__dataclass_fields__ if k in body and k != "fetch"}
+            for name in ("block_size", "hit_blocks", "recompute_blocks"):
+                _check(values.get(name, 0), int, name)
+            for name in ("reservation_id", "engine_id", "disagg"):
+                _check(values.get(name, ""), str, name)
             return cls(fetch=fetch, **values)
         except (TypeError, KeyError) as exc:
             raise InvalidArgument(f"malformed quillcache plan: {exc}") from None
+
+    @classmethod
+    def from_params(cls, params: object) -> EnginePlan | None:
+        """The plan in a request's `kv_transfer_params` (None when it carries none);
+        InvalidArgument when there is one and it is malformed."""
+        if not isinstance(params, Mapping) or FIELD not in params:
+            return None
+        return cls.from_json(params[FIELD])
+
+    @property
+    def planned(self) -> bool:
+        """Made by the conductor (it holds a reservation), not the gateway's fallback."""
+        return bool(self.reservation_id)
+
+    @property
+    def prefill_for_another(self) -> bool:
+        """A split's prefill: its blocks are to be in its store node when it answers."""
+        return self.disagg == "prefill"
+
+    def fetch_indices(self) -> frozenset[int]:
+        """The block indices the plan has the engine load from the pool."""
+        return frozenset(action.block_index for action in self.fetch)
+
+    def sources(self) -> dict[str, str]:
+        """Block hash -> the store node (gRPC address) the plan fetches it from."""
+        return {a.block_hash: a.source_address for a in self.fetch if a.source_address}
 
     def fetch_key(self, action: FetchAction, prefix_hash: str) -> KvBlockKey:
         """The store key of a block to fetch (its parent is the previous block's hash)."""
@@ -82,6 +116,11 @@ class EnginePlan:
             block_index=action.block_index,
             token_count=self.block_size,
         )
+
+
+def _check(value: object, kind: type, name: str) -> None:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{name} must be {'an integer' if kind is int else 'a string'}")
 
 
 _FETCH = conductor_pb2.BlockAction.FETCH
