@@ -85,10 +85,10 @@ class ConductorConfig(TlsSettings):
         "the registry lists, over a direct stream (replica_sync.py)",
     )
     replica_heartbeat_s: float = opt(
-        0.25, "a replica's sync stream carries a heartbeat this often when idle"
+        0.5, "a replica's sync stream carries a heartbeat this often when idle"
     )
     replica_silence_s: float = opt(
-        1.5,
+        2.0,
         "a replica not heard from this long (no delta, no heartbeat) loses all the load it "
         "reserved here, and its stream is opened again",
     )

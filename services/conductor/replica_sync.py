@@ -170,7 +170,7 @@ class ReplicaLog:
         start_time_s: float,
         *,
         flush_delay_s: float = 0.001,
-        heartbeat_s: float = 0.25,
+        heartbeat_s: float = 0.5,
     ) -> None:
         self.state = state
         self.node_id = node_id

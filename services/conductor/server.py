@@ -38,7 +38,8 @@ from quillcache_core.rpc.server import (
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = conductor_pb2.DESCRIPTOR.services_by_name["Conductor"].full_name
-TICK_S = 0.05
+TICK_S = 0.05  # the clock while a reservation is open (prefill release, expiry)
+IDLE_TICK_S = 1.0  # ... while none is: heap settling, departures, the index's flush
 FLUSH_S = 1.0
 FREEZE_S = 1.0
 
@@ -95,6 +96,7 @@ class ConductorServer:
         )
         self.replica_peers: ReplicaPeers | None = None
         self.tick_failures = 0
+        self.ticks = 0  # the clock's wake-ups (fast only while reservations are open)
         # A node whose record goes keeps its residency this long (it may be back: a
         # lease lost in an etcd stall), unrouted; right after a registry outage it also
         # stays routable for `leave_hold_s` (see ConductorState.node_left).
@@ -188,6 +190,12 @@ class ConductorServer:
             "index_write_failures_total",
             "queued index writes the durable backend refused (logged)",
             read=lambda: [((), getattr(self.index, "failed_writes", 0))],
+        )
+        m.gauge(
+            "ticks_total",
+            "wake-ups of the conductor's clock: every 50 ms while reservations are open, "
+            "once a second idle",
+            read=lambda: [((), self.ticks)],
         )
         m.gauge(
             "tick_failures_total",
@@ -457,18 +465,37 @@ class ConductorServer:
             if kind == "engine":
                 self.events.engine_left(node_id)
 
+    def _busy(self) -> bool:
+        """Whether the clock has work every TICK_S: reservations open or lingering
+        (here or a peer's), or a node in its leave grace."""
+        return not (
+            self.state.ledger.idle and self.peer_load.ledger.idle and not self.state.departures
+        )
+
     async def _tick(self) -> None:
+        """The conductor's clock: releases due prefill, expires reservations and
+        departures, flushes the index, settles the heap. Every TICK_S while there is
+        something to release; idle, once a second, woken at once by a reservation
+        opening (a plan releases its own ledger's due load itself as it starts)."""
         last_flush = time.monotonic()
         heap = HeapSettler(FREEZE_S)
         heap.settle()
+        wake = asyncio.Event()
+        self.state.ledger.on_open = self.peer_load.ledger.on_open = wake.set
         while True:
-            await asyncio.sleep(TICK_S)
+            if self._busy():
+                await asyncio.sleep(TICK_S)
+            else:
+                wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), IDLE_TICK_S)
+            self.ticks += 1
             try:
                 self.state.tick()
                 self.peer_load.tick()
                 self._expire_departures()
                 now = time.monotonic()
-                if now - last_flush >= FLUSH_S:
+                if now - last_flush >= FLUSH_S and self.index.dirty:
                     last_flush = now
                     await asyncio.to_thread(self.index.flush)
                 # The index is millions of long-lived objects: keep the cycle collector

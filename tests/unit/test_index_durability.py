@@ -229,3 +229,39 @@ def test_rocksdb_counts_its_wal_and_its_memtable_flushes(tmp_path: Path) -> None
         assert idx.metrics().bytes_written > wal_only
     finally:
         idx.close()
+
+
+@pytest.mark.parametrize("name", sorted(JOURNALED))
+def test_a_flush_with_nothing_written_since_the_last_touches_no_disk(tmp_path, name, monkeypatch):
+    index = JOURNALED[name](tmp_path / name, sync_commits=False)  # as the conductor's
+    syncs = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (syncs.append(fd), real(fd))[1])
+    index.flush()
+    assert not index.dirty
+    first = len(syncs)
+    index.flush()
+    index.flush()
+    assert len(syncs) == first  # idle: no fdatasync at all
+    index.put(rec(1))
+    assert index.dirty
+    index.flush()
+    assert len(syncs) == first + 1 and not index.dirty
+    index.close()
+    reopened = JOURNALED[name](tmp_path / name)
+    assert Counter(reopened.snapshot()) == Counter([rec(1)])  # what it skipped lost nothing
+    reopened.close()
+
+
+def test_a_memory_index_is_never_dirty_and_a_mirror_is_while_writes_queue(tmp_path):
+    from quillcache_core.index.mirrored import MirroredIndex
+
+    assert not MemoryIndex().dirty
+    mirror = MirroredIndex(FsIndex(tmp_path / "fs", sync_commits=False))
+    mirror.flush()
+    assert not mirror.dirty
+    mirror.put(rec(2))
+    assert mirror.dirty
+    mirror.flush()
+    assert not mirror.dirty
+    mirror.close()

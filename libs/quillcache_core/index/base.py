@@ -139,6 +139,13 @@ class IndexBackend(abc.ABC):
     def flush(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Make every change so far durable; a no-op for in-memory backends."""
 
+    @property
+    def dirty(self) -> bool:
+        """Whether `flush` has anything to do: a change since the last one (a backend
+        that cannot tell says True). The conductor flushes only then: an idle one
+        makes no disk write at all."""
+        return self.persistent
+
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release files; a no-op for in-memory backends."""
 

@@ -185,6 +185,7 @@ class JournaledIndex(IndexBackend):
         self._compact_bytes = compact_bytes
         self._buffer_bytes = write_buffer_bytes
         self._pending = bytearray()  # frames not yet handed to write(2)
+        self._unsynced = True  # frames written since the last fdatasync (or not known)
         self._pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
         self._puts = self._removes = self._prefix_scans = 0
         self._bytes_written = 0
@@ -356,8 +357,10 @@ class JournaledIndex(IndexBackend):
             self._bytes_written += written
             self._log_bytes += written
             self._pending.clear()
-        if sync:
+            self._unsynced = True
+        if sync and self._unsynced:
             os.fdatasync(self._fd)
+            self._unsynced = False
 
     def _maybe_compact(self) -> None:
         if self._log_bytes >= max(self._compact_bytes, self._snapshot_bytes):
@@ -399,6 +402,7 @@ class JournaledIndex(IndexBackend):
         _fsync_dir(self._dir)
         old_gen, old_fd = self._gen, self._fd
         self._fd, self._gen, self._log_bytes, self._snapshot_bytes = new_fd, gen, 0, size
+        self._unsynced = False
         os.close(old_fd)
         for stale in (self._file("snapshot", old_gen), self._file("log", old_gen)):
             try:
@@ -517,9 +521,14 @@ class JournaledIndex(IndexBackend):
 
     # --- durability --------------------------------------------------------------------
 
+    @property
+    def dirty(self) -> bool:
+        return self._fd >= 0 and bool(self._pending or self._unsynced)
+
     def flush(self) -> None:
         """Write and fdatasync every buffered frame (compacting if the log is due);
-        every write so far is acknowledged when this returns. A no-op once closed."""
+        every write so far is acknowledged when this returns. A no-op once closed, and
+        no fdatasync when nothing was written since the last."""
         if self._fd >= 0:
             self._write_out(sync=True)
             self._maybe_compact()

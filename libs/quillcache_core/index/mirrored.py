@@ -51,6 +51,10 @@ class MirroredIndex(IndexBackend):
         return self._durable.persistent
 
     @property
+    def dirty(self) -> bool:
+        return bool(self._pending) or self._durable.dirty
+
+    @property
     def pending_writes(self) -> int:
         return len(self._pending)
 
