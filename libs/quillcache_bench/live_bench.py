@@ -11,6 +11,8 @@ Each system in turn gets the same seeded workloads (chat, docqa, mix, decode; se
   engine `both`: colocated);
 - `quillcache-split` (decode workload only): the same gateway and engines, the engines
   given prefill/decode roles in place (`--split-roles`): disaggregated;
+- `smg-cache_aware`: SMG 1.13.0 (`smg launch --policy cache_aware`, PyPI `smg`, the
+  SGLang model gateway), its defaults;
 - `sglang-router-cache_aware`, `sglang-router-round_robin`: the real sglang-router
   0.3.2 with its defaults (cache threshold 0.3, balance thresholds 64 and 1.5, ...);
 - `vllm-router-cache_aware`, `vllm-router-consistent_hash`: the real vllm-router 0.1.17,
@@ -19,7 +21,8 @@ Each system in turn gets the same seeded workloads (chat, docqa, mix, decode; se
 - `round-robin`: vllm-router's round_robin.
 
 The routers speak plain HTTP to workers; vllm-router has no client-certificate or CA
-flags, so neither router is given the engines' mutual-TLS port: each sim engine opens a
+flags, so no router is given the engines' mutual-TLS port (SMG could speak it; plain
+HTTP costs it less, the stronger reading): each sim engine opens a
 second, plain listener (`--plain-http-port`, loopback, no credential) that the routers
 use, while the gateway keeps using the engines' TLS port. Same engines, same caches,
 same counters. With `--engine vllm` (vLLM has one port) the whole cluster runs
@@ -64,7 +67,7 @@ from dataclasses import replace
 from pathlib import Path
 from statistics import mean
 
-from quillcache_bench import live_capacity
+from quillcache_bench import live_capacity, live_peers
 from quillcache_bench.capacity_workloads import WORKLOADS as CAPACITY_WORKLOADS
 from quillcache_bench.common import Progress, write_results
 from quillcache_bench.live_counters import (
@@ -89,6 +92,7 @@ from quillcache_bench.live_report import (
 )
 from quillcache_bench.live_systems import (
     ROUTERS,
+    SMG,
     SYSTEMS,
     Engine,
     RouterError,
@@ -112,7 +116,7 @@ TENANTS = [f"tenant-{i}" for i in range(8)]
 # After a router's runs: what QuillCache's continued processes need to renew their leases
 # and connections before they are measured again.
 RESUME_SETTLE_S = 5.0
-QUICK_ITL_SYSTEMS = ("quillcache", SPLIT, "sglang-router-cache_aware")
+QUICK_ITL_SYSTEMS = ("quillcache", SPLIT, SMG, "sglang-router-cache_aware")
 # The sim engines' KV block shape on every workload, the same for every system: 16 KiB
 # blocks (2 layers x K,V x 16 tokens x 2 heads x 64 dims x fp16). On a GPU node a block
 # loads from host DRAM about ten times faster than it prefills (2 MiB at tens of GB/s
@@ -395,8 +399,10 @@ def _router(system: str, workers: list[str], log_dir: Path):
     been taken meanwhile by another process), or None: the bench goes on without it."""
     for attempt in (1, 2):
         try:
+            if system == SMG:
+                return live_peers.start_smg(workers, log_dir)
             return start_router(system, workers, log_dir)
-        except RouterError as exc:
+        except (RouterError, live_peers.PeerUnavailable) as exc:
             print(f"{system} did not start (try {attempt}): {exc}", file=sys.stderr, flush=True)
     return None
 

@@ -2,7 +2,8 @@
 counters, and the CPU time of a process tree.
 
 The routers are the real `sglang-router` 0.3.2 and `vllm-router` 0.1.17 binaries (the
-project's dev extra installs them into the virtualenv), each started with its default
+project's dev extra installs them into the virtualenv), and SMG 1.13.0 (`smg`, in a
+virtualenv of its own, `live_peers`), each started with its default
 settings but for its policy, its ports (free loopback ports) and a quieter log level,
 in front of the engines' plain-HTTP listeners (see `quillcache_simengine.config`:
 --plain-http-port). Their names in the results: `sglang-router-<policy>` and
@@ -39,7 +40,9 @@ ROUTERS: dict[str, tuple[str, str]] = {
 }
 # `quillcache-split`: the same gateway, with the engines given prefill/decode roles in
 # place (POST /sim/settings) for its runs; only on the timed (decode-heavy) workloads.
-SYSTEMS = ("quillcache", "quillcache-split", *ROUTERS)
+# SMG 1.13 (`smg launch --policy cache_aware`, its own virtualenv: `live_peers`).
+SMG = "smg-cache_aware"
+SYSTEMS = ("quillcache", "quillcache-split", SMG, *ROUTERS)
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 

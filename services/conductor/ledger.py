@@ -43,18 +43,9 @@ class ReservationLedger:
         self._prefill_due: list[tuple[float, str]] = []
         self._expiry: list[tuple[float, str]] = []
         self._lingering: deque[tuple[float, Reservation]] = deque()
-        # Called as a reservation opens: the conductor's clock ticks fast only while
-        # a ledger holds something (`idle`), and wakes at once when one opens.
-        self.on_open: Callable[[], None] | None = None
 
     def __len__(self) -> int:
         return len(self.open)
-
-    @property
-    def idle(self) -> bool:
-        """Nothing open and nothing lingering: `advance` has nothing to do until a
-        reservation opens."""
-        return not self.open and not self._lingering
 
     def __contains__(self, reservation_id: str) -> bool:
         return reservation_id in self.open
@@ -95,8 +86,6 @@ class ReservationLedger:
         elif res.prefill_tokens:
             self.release_prefill(res)
         heapq.heappush(self._expiry, (res.expires_s, res.id))
-        if self.on_open is not None:
-            self.on_open()
 
     def shrink_prefill(self, res: Reservation, worker: WorkerState, tokens: int) -> None:
         """Its plan now leaves only `tokens` to prefill on `worker` (a split: the rest is

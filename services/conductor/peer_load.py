@@ -148,8 +148,16 @@ class PeerLoad:
     # --- time and loss -------------------------------------------------------------------
 
     def tick(self) -> None:
+        """`release_due`, and drop peers silent for `silence_s`."""
+        now = self.release_due()
+        for view in [v for v in self.peers.values() if now - v.last_heard_s > self.silence_s]:
+            self.dropped_silent += 1
+            self.drop_peer(view.id, why=f"silent for {now - view.last_heard_s:.1f}s")
+
+    def release_due(self) -> float:
         """Release due prefill tokens, expire reservations past their TTL, forget
-        lingering overlays, and drop peers silent for `silence_s`."""
+        lingering overlays (every plan does it first: what it weighs is current).
+        Returns the time it went by."""
         now = self.clock()
         for res in self.ledger.advance(now):
             view = self.peers.get(self._owner.pop(res.id, ""))
@@ -157,9 +165,7 @@ class PeerLoad:
                 view.held.discard(res.id)
             self.expired += 1
             self.ledger.forget(res)
-        for view in [v for v in self.peers.values() if now - v.last_heard_s > self.silence_s]:
-            self.dropped_silent += 1
-            self.drop_peer(view.id, why=f"silent for {now - view.last_heard_s:.1f}s")
+        return now
 
     def drop_peer(self, peer_id: str, *, why: str) -> int:
         """Take back all a peer's load and overlay. Returns the reservations dropped."""

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 HASH_HEX = 2 * HASH_BYTES
 QUEUE_MAX = 4096  # messages waiting for one slow receiver; beyond, its stream is ended
+HEARTBEAT = object()  # in a subscriber's queue: send an empty message (nothing went out)
 # Opened reservations per message (about 2 KB each for a 128-block prompt): a snapshot
 # of thousands, or a backlog after a long loop turn, goes as several messages, each
 # well under gRPC's 4 MB default (and the receiver allows more anyway).
@@ -157,6 +158,32 @@ def opened_from_proto(msg: conductor_pb2.ReservationOpened) -> OpenedLoad:
         expires_s=msg.expires_s,
         records=records,
     )
+
+
+class _Silence:
+    """Cancels a stream nothing came in on for `silence_s` (`fired` then): one timer
+    checked every half of it, rather than a deadline on every read."""
+
+    def __init__(self, call, silence_s: float) -> None:
+        self._call = call
+        self._silence_s = silence_s
+        self._loop = asyncio.get_running_loop()
+        self._heard = self._loop.time()
+        self.fired = False
+        self._timer = self._loop.call_later(silence_s / 2, self._check)
+
+    def heard(self) -> None:
+        self._heard = self._loop.time()
+
+    def _check(self) -> None:
+        if self._loop.time() - self._heard > self._silence_s:
+            self.fired = True
+            self._call.cancel()
+        elif not self._call.done():
+            self._timer = self._loop.call_later(self._silence_s / 2, self._check)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 class ReplicaLog:
@@ -329,14 +356,25 @@ class ReplicaLog:
             request.conductor_id or "?",
             sum(len(m.opened) for m in snapshot),
         )
+        # A heartbeat goes into the queue when nothing went out for `heartbeat_s` (a
+        # timer, not a deadline on every get: that costs a task a message).
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
+
+        def beat() -> None:
+            nonlocal timer
+            if queue.empty() and loop.time() - sent_at >= 0.9 * self.heartbeat_s:
+                queue.put_nowait(HEARTBEAT)
+            timer = loop.call_later(self.heartbeat_s, beat)
+
+        timer = loop.call_later(self.heartbeat_s, beat)
         try:
             for message in snapshot:
                 yield message
                 self.messages_sent += 1
             while True:
-                try:
-                    message = await asyncio.wait_for(queue.get(), self.heartbeat_s)
-                except TimeoutError:
+                message = await queue.get()
+                if message is HEARTBEAT:
                     message = self._message()
                 if message is None:
                     await context.abort(
@@ -345,7 +383,9 @@ class ReplicaLog:
                     )
                 yield message
                 self.messages_sent += 1
+                sent_at = loop.time()
         finally:
+            timer.cancel()
             self._subscribers.pop(sub_id, None)
 
 
@@ -432,20 +472,26 @@ class ReplicaPeers:
                 async with grpc_channel(address, self.tls, CHANNEL_OPTIONS) as channel:
                     stub = conductor_pb2_grpc.ConductorReplicaStub(channel)
                     call = stub.Sync(conductor_pb2.SyncRequest(conductor_id=self.node_id))
-                    while True:
-                        try:
-                            message = await asyncio.wait_for(call.read(), self.silence_s)
-                        except TimeoutError:
-                            call.cancel()
-                            self.peer_load.drop_peer(peer_id, why="its stream fell silent")
-                            raise ConnectionError(f"silent for {self.silence_s}s") from None
-                        if message is grpc.aio.EOF:
-                            raise ConnectionError("stream ended")
-                        self._apply(peer_id, message)
-                        if peer_id not in self.connected:
-                            self.connected.add(peer_id)
-                            logger.info("streaming the reservations of conductor %s", peer_id)
-                            delay_s, quiet = 0.05, False
+                    watch = _Silence(call, self.silence_s)
+                    try:
+                        while True:
+                            try:
+                                message = await call.read()
+                            except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                                if not watch.fired:
+                                    raise
+                                self.peer_load.drop_peer(peer_id, why="its stream fell silent")
+                                raise ConnectionError(f"silent for {self.silence_s}s") from None
+                            watch.heard()
+                            if message is grpc.aio.EOF:
+                                raise ConnectionError("stream ended")
+                            self._apply(peer_id, message)
+                            if peer_id not in self.connected:
+                                self.connected.add(peer_id)
+                                logger.info("streaming the reservations of conductor %s", peer_id)
+                                delay_s, quiet = 0.05, False
+                    finally:
+                        watch.cancel()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the peer is away: try again soon

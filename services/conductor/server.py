@@ -38,8 +38,7 @@ from quillcache_core.rpc.server import (
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = conductor_pb2.DESCRIPTOR.services_by_name["Conductor"].full_name
-TICK_S = 0.05  # the clock while a reservation is open (prefill release, expiry)
-IDLE_TICK_S = 1.0  # ... while none is: heap settling, departures, the index's flush
+TICK_S = 1.0  # the clock: expiry, departures, the index's flush, heap settling
 FLUSH_S = 1.0
 FREEZE_S = 1.0
 
@@ -91,12 +90,13 @@ class ConductorServer:
         self.peer_load = PeerLoad(
             self.state, clock=time.monotonic, silence_s=config.replica_silence_s
         )
+        self.state.release_peers = self.peer_load.release_due
         self.replica_log = ReplicaLog(
             self.state, config.node_id, self.start_time_s, heartbeat_s=config.replica_heartbeat_s
         )
         self.replica_peers: ReplicaPeers | None = None
         self.tick_failures = 0
-        self.ticks = 0  # the clock's wake-ups (fast only while reservations are open)
+        self.ticks = 0  # the clock's wake-ups
         # A node whose record goes keeps its residency this long (it may be back: a
         # lease lost in an etcd stall), unrouted; right after a registry outage it also
         # stays routable for `leave_hold_s` (see ConductorState.node_left).
@@ -193,8 +193,7 @@ class ConductorServer:
         )
         m.gauge(
             "ticks_total",
-            "wake-ups of the conductor's clock: every 50 ms while reservations are open, "
-            "once a second idle",
+            "wake-ups of the conductor's clock (once a second)",
             read=lambda: [((), self.ticks)],
         )
         m.gauge(
@@ -465,30 +464,16 @@ class ConductorServer:
             if kind == "engine":
                 self.events.engine_left(node_id)
 
-    def _busy(self) -> bool:
-        """Whether the clock has work every TICK_S: reservations open or lingering
-        (here or a peer's), or a node in its leave grace."""
-        return not (
-            self.state.ledger.idle and self.peer_load.ledger.idle and not self.state.departures
-        )
-
     async def _tick(self) -> None:
-        """The conductor's clock: releases due prefill, expires reservations and
-        departures, flushes the index, settles the heap. Every TICK_S while there is
-        something to release; idle, once a second, woken at once by a reservation
-        opening (a plan releases its own ledger's due load itself as it starts)."""
+        """The conductor's clock, once every TICK_S: expires reservations, departures
+        and silent peers, flushes the index when it is dirty, settles the heap. Due
+        prefill and lingering overlays need no clock: a plan releases every ledger's
+        (its own and its peers') as it starts. An idle conductor wakes once a second."""
         last_flush = time.monotonic()
         heap = HeapSettler(FREEZE_S)
         heap.settle()
-        wake = asyncio.Event()
-        self.state.ledger.on_open = self.peer_load.ledger.on_open = wake.set
         while True:
-            if self._busy():
-                await asyncio.sleep(TICK_S)
-            else:
-                wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), IDLE_TICK_S)
+            await asyncio.sleep(TICK_S)
             self.ticks += 1
             try:
                 self.state.tick()

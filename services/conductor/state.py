@@ -108,6 +108,9 @@ class ConductorState:
         self.bandwidth = disagg.Bandwidth(self.disagg_settings.default_bytes_per_s)
         # Told of each reservation opened and closed (the replicas' sync), if set.
         self.listener: ReservationListener | None = None
+        # Brings the other replicas' reservations up to now (`PeerLoad.release_due`),
+        # if set: a plan weighs every ledger as it is at its own time, not the last tick.
+        self.release_peers: Callable[[], object] | None = None
         # The engines' prefill speed per model, learned from Finish's TTFT
         # (routing/calibrate.py); the policy prices each plan with its model's.
         self.speeds = ModelSpeeds(policy.cost_model) if calibrate else None
@@ -334,6 +337,8 @@ class ConductorState:
         self._check_request(request)
         now = self.clock()
         self._release_due(now)
+        if self.release_peers is not None:
+            self.release_peers()
         fleet = self._fleet(request.model_id, exclude)
         if self.speeds is not None:
             self.policy.cost_model = self.speeds.cost_model(request.model_id)

@@ -182,3 +182,15 @@ def test_a_first_token_reported_on_a_releases_the_prefill_on_b():
     assert load(a, engine) == load(b, engine) == (1, 0, 8)  # still running: decoding
     a.finish(outcome.reservation_id, "success", ttft_s=0.2)
     assert load(b, engine) == (0, 0, 0)
+
+
+def test_a_plan_on_b_weighs_as_released_what_a_reserved_whose_prefill_is_due_with_no_tick():
+    a, b, peers, clock = pair()
+    b.release_peers = peers.release_due  # as the conductor wires it
+    outcome = a.plan(make_request(8))
+    engine = outcome.decision.engine.id
+    assert load(b, engine)[1] > 0
+    clock.now += 1.0  # past the plan's TTFT: A's prefill is due; no clock has ticked
+    b.finish(b.plan(make_request(2, seed=9)).reservation_id, "cancelled")
+    assert load(b, engine)[1] == 0, "the plan released the peer's due prefill first"
+    assert load(b, engine)[0] == 1  # the reservation itself stays open until A closes it
