@@ -50,6 +50,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_bench.inference_perf",
         "the capacity race's docqa shape driven by inference-perf, QuillCache against SMG",
     ),
+    "bench-idle": (
+        "quillcache_bench.idle",
+        "CPU of every process of an idle `quillcache up` cluster over 60 s (/proc)",
+    ),
     "bench-disagg": (
         "quillcache_bench.disagg",
         "prefill/decode disaggregation vs colocated on a decode-heavy load: TTFT, inter-token",
