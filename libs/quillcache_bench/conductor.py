@@ -415,19 +415,7 @@ async def _ingest_zmq(payloads, registry, stub, port) -> dict:
     pub.bind(f"tcp://127.0.0.1:{port}")
     eid = "zmq-engine"
     try:
-        await registry.register(
-            NodeRecord(
-                kind="engine",
-                id=eid,
-                address="",
-                locality_domain="rack-0",
-                base_url="http://127.0.0.1:1/zmq",
-                model=MODEL,
-                tokenizer=TOKENIZER,
-                kv_events_endpoint=f"tcp://127.0.0.1:{port}",
-            ),
-            30,
-        )
+        await _register_zmq_engine(registry, eid, port)
         await _wait(lambda: _engine_blocks(stub, eid, want_present=True), 1)
         # Warm the subscription: a SUB socket misses what is published before it connects.
         seq = 0
@@ -460,6 +448,23 @@ async def _ingest_zmq(payloads, registry, stub, port) -> dict:
         ctx.term()
 
 
+async def _register_zmq_engine(registry, eid: str, port: int) -> None:
+    """An engine whose KV events the conductor subscribes to on a local ZMQ port."""
+    await registry.register(
+        NodeRecord(
+            kind="engine",
+            id=eid,
+            address="",
+            locality_domain="rack-0",
+            base_url=f"http://127.0.0.1:1/{eid}",
+            model=MODEL,
+            tokenizer=TOKENIZER,
+            kv_events_endpoint=f"tcp://127.0.0.1:{port}",
+        ),
+        30,
+    )
+
+
 async def _plans_under_ingest(payloads, registry, stub, port, requests, rate: float) -> dict:
     """Plan latency over the plan port (the gateway's path, each plan finished, untimed)
     while another engine's KV events arrive over ZMQ at `rate` block events a second,
@@ -467,19 +472,7 @@ async def _plans_under_ingest(payloads, registry, stub, port, requests, rate: fl
     rate the conductor applied them at (its event counter)."""
     zmq_port = free_port()
     eid = "zmq-engine-paced"
-    await registry.register(
-        NodeRecord(
-            kind="engine",
-            id=eid,
-            address="",
-            locality_domain="rack-1",
-            base_url="http://127.0.0.1:1/paced",
-            model=MODEL,
-            tokenizer=TOKENIZER,
-            kv_events_endpoint=f"tcp://127.0.0.1:{zmq_port}",
-        ),
-        30,
-    )
+    await _register_zmq_engine(registry, eid, zmq_port)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
