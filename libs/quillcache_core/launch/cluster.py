@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from quillcache_core.security.certs import make_certs
 from quillcache_core.security.tls import Tls, grpc_channel
 
 DEMO_TENANTS = ("acme", "globex")
+ENGINE_SERVICES = ("sim-engine", "vllm")
 
 
 class ClusterError(RuntimeError):
@@ -53,12 +54,14 @@ class Ref:
 class ServiceSpec:
     """One process of the local topology: its name, its service (a `quillcache_core.
     launch.cli` service, or "vllm": a real server and its registration), its arguments,
-    and the store node an engine loads and saves through."""
+    and for an engine the store node it loads and saves through and its number (its
+    `engine_options`, its share of the cores)."""
 
     name: str
     service: str
     args: tuple[str | Ref, ...]
     store: str | None = None
+    engine: int = 0
 
     def resolve(self, fields: Mapping[str, Mapping[str, str]]) -> list[str]:
         """The arguments, each `Ref` replaced by what the services it names reported."""
@@ -222,7 +225,9 @@ class LocalCluster:
             store = stores[i % len(stores)] if stores else None
             options = self.engine_options.get(i, {})
             if self.engine_kind == "vllm":
-                specs.append(ServiceSpec(f"engine-{i}", "vllm", tuple(registry), store=store))
+                specs.append(
+                    ServiceSpec(f"engine-{i}", "vllm", tuple(registry), store=store, engine=i)
+                )
                 continue
             specs.append(
                 ServiceSpec(
@@ -234,6 +239,7 @@ class LocalCluster:
                      *(("--store", Ref((store,)), "--store-node-id", store) if store else ()),
                      *options.get("sim_args", []), "--role", options.get("role", "both")),
                     store=store,
+                    engine=i,
                 )
             )  # fmt: skip
         keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
@@ -261,19 +267,17 @@ class LocalCluster:
         self.log(f"etcd       {self.etcd.client_url}")
         started: dict[str, Child] = {}
         fields = {"etcd": {"url": self.etcd.client_url}}
-        engines = 0
         for spec in self.topology():
             args = spec.resolve(fields)
             if spec.service == "vllm":
-                child = self._start_vllm(int(spec.name.split("-")[1]), started[spec.store],
-                                         args, timeout_s)  # fmt: skip
+                child = self._start_vllm(spec.engine, started[spec.store], args, timeout_s)
             else:
                 if spec.service == "gateway":
                     # The gateway can route only once every conductor sees every engine.
+                    engines = sum(c.service in ENGINE_SERVICES for c in started.values())
                     for c in (c for c in started.values() if c.service == "conductor"):
                         self._wait_engines_visible(c.fields["grpc"], engines, timeout_s)
                 child = self._run(spec.name, spec.service, args, timeout_s)
-            engines += spec.service in ("vllm", "sim-engine")
             started[spec.name] = child
             fields[spec.name] = child.fields
         return self._endpoints(started)
@@ -285,7 +289,7 @@ class LocalCluster:
             return [c for c in started.values() if c.service == service]
 
         conductors, stores = of("conductor"), of("store")
-        engines = [c for c in started.values() if c.service in ("vllm", "sim-engine")]
+        engines = [c for c in started.values() if c.service in ENGINE_SERVICES]
         gateway, transfer = started["gateway"], started.get("transfer")
         return {
             "gateway_url": gateway.fields["http"],
@@ -335,13 +339,7 @@ class LocalCluster:
         with self.lock:
             self.children.append(child)
         deadline = time.monotonic() + timeout_s
-        while not self._read_ready(child):
-            self._check_alive(child)
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"{name} printed no READY line in {timeout_s:.0f}s:\n{child.log_tail()}"
-                )
-            time.sleep(0.05)
+        self._wait(child, self._read_ready, deadline, f"printed no READY line in {timeout_s:.0f}s")
         # Every later start (a restart) binds the ports this one reported again.
         child.argv += pinned_ports(service, child.fields)
         self._wait_healthy(child, deadline, f"after {timeout_s:.0f}s")
@@ -464,10 +462,17 @@ class LocalCluster:
         return True
 
     def _wait_healthy(self, child: Child, deadline: float, what: str) -> None:
-        while not self._healthy(child):
+        self._wait(child, self._healthy, deadline, f"is not healthy {what}")
+
+    def _wait(
+        self, child: Child, ready: Callable[[Child], bool], deadline: float, failure: str
+    ) -> None:
+        """Until `ready(child)`: ClusterError with its log's tail if it exits first or
+        `deadline` passes."""
+        while not ready(child):
             self._check_alive(child)
             if time.monotonic() > deadline:
-                raise ClusterError(f"{child.name} is not healthy {what}:\n{child.log_tail()}")
+                raise ClusterError(f"{child.name} {failure}:\n{child.log_tail()}")
             time.sleep(0.05)
 
     @staticmethod

@@ -102,7 +102,9 @@ class EnginePlan:
 
     def sources(self) -> dict[str, str]:
         """Block hash -> the store node (gRPC address) the plan fetches it from."""
-        return {a.block_hash: a.source_address for a in self.fetch if a.source_address}
+        return {
+            a.block_hash: a.source_address for a in self.fetch if a.block_hash and a.source_address
+        }
 
     def fetch_key(self, action: FetchAction, prefix_hash: str) -> KvBlockKey:
         """The store key of a block to fetch (its parent is the previous block's hash)."""
