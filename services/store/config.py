@@ -30,6 +30,14 @@ class StoreConfig(TlsSettings):
         "user (engines loading their own node's blocks, no TLS): a path, 'auto' (a new "
         "private directory under the system's temp dir) or 'off'; announced in Stats",
     )
+    data_handshake_timeout_s: float = opt(
+        5.0,
+        "a connection to the block-data port that has not finished its TLS handshake, "
+        "or sent its first request, this long after it connected is closed, seconds",
+    )
+    data_idle_timeout_s: float = opt(
+        300.0, "a block-data connection that sends no new request this long is closed, seconds"
+    )
     advertise_host: str = opt(
         "", "host other nodes reach this one at (default: --host, or 127.0.0.1 for 0.0.0.0)"
     )
@@ -102,6 +110,10 @@ class StoreConfig(TlsSettings):
             raise InvalidArgument("--event-linger-s must be in 0..1")
         if self.rpc_timeout_s <= 0 or self.worker_threads <= 0:
             raise InvalidArgument("--rpc-timeout-s and --worker-threads must be positive")
+        if self.data_handshake_timeout_s <= 0 or self.data_idle_timeout_s <= 0:
+            raise InvalidArgument(
+                "--data-handshake-timeout-s and --data-idle-timeout-s must be positive"
+            )
         if not 1 <= self.pull_streams <= 16:
             raise InvalidArgument("--pull-streams must be in 1..16")
         if not -1 <= self.data_port <= 65535:

@@ -152,6 +152,8 @@ class StoreServer:
                 cfg.host,
                 cfg.data_port,
                 io_timeout_s=cfg.rpc_timeout_s,
+                handshake_timeout_s=cfg.data_handshake_timeout_s,
+                idle_timeout_s=cfg.data_idle_timeout_s,
                 max_block_bytes=cfg.max_block_bytes,
                 tls=self.tls,
                 local_socket=self._data_socket_path(),

@@ -27,6 +27,7 @@ from quillcache_core.errors import CapacityExceeded, InvalidArgument, QuillCache
 from quillcache_core.model import CacheTier
 from quillcache_core.rpc.server import stream_errors, unary_errors
 from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.blockcodec import check_field_size
 from quillcache_core.storeclient.datapath import protocol as dataproto
 from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
 from quillcache_store.datapath.pull import BlockPuller, OutcomeBatches, PullOutcome
@@ -325,6 +326,8 @@ class StoreServicer:
             raise InvalidArgument("this node's block data path is off (--data-port -1)")
         if not request.source_data_address:
             raise InvalidArgument("source_data_address is required")
+        check_field_size("source_data_address", request.source_data_address)
+        check_field_size("source_node", request.source_node)
         if not request.keys:
             raise InvalidArgument("keys is empty: nothing to pull")
         if len(request.keys) > dataproto.MAX_REQUEST_KEYS:

@@ -13,6 +13,7 @@ from quillcache_core.registry.records import record_data_address
 from quillcache_core.rpc.server import stream_errors
 from quillcache_core.security.tls import Tls
 from quillcache_core.storeclient import wire
+from quillcache_core.storeclient.blockcodec import check_field_size
 from quillcache_core.storeclient.client import StoreClient
 from quillcache_core.wire.tiers import tier_from_proto
 from quillcache_transfer.config import TransferConfig
@@ -114,6 +115,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         cfg = self.config
         if not request.source_node or not request.destination_node:
             raise InvalidArgument("source_node and destination_node are required")
+        check_field_size("source_node", request.source_node)
+        check_field_size("destination_node", request.destination_node)
         if request.source_node == request.destination_node:
             raise InvalidArgument("source_node and destination_node are the same node")
         if not request.keys:

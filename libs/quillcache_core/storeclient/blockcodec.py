@@ -40,6 +40,12 @@ MAGIC = b"QKVB"
 FORMAT_VERSION = 1
 STORAGE_KEY_BYTES = 32
 MAX_IDENTITY_BYTES = 64 * 1024
+MAX_KEY_FIELD_BYTES = 1024
+"""The longest string field of a block key (model, tokenizer, adapter, tenant, prefix
+hash, block hash; UTF-8 bytes), and of a node id or address a store call names. Six
+fields at this length encode to about 6 KiB, well within MAX_IDENTITY_BYTES, the most
+a record's header holds, so every key a store accepts can be demoted to its SSD tier."""
+KEY_INT_END = 1 << 32  # block_index and token_count are uint32 on the wire
 
 _FIXED = struct.Struct("<4sBBHIQQQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 36
@@ -87,6 +93,32 @@ def _identity_fields(key: KvBlockKey) -> list:
         key.block_index,
         key.token_count,
     ]
+
+
+_KEY_STRINGS = ("model_id", "tokenizer_id", "adapter_id", "tenant_id", "prefix_hash", "block_hash")
+
+
+def check_field_size(what: str, value: str) -> None:
+    """InvalidArgument naming `what` when `value` is longer than MAX_KEY_FIELD_BYTES."""
+    # A character is at most 4 bytes: most values need no encoding to be judged.
+    if len(value) * 4 > MAX_KEY_FIELD_BYTES:
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > MAX_KEY_FIELD_BYTES:
+            raise InvalidArgument(
+                f"{what} is {size} bytes, longer than the limit of {MAX_KEY_FIELD_BYTES}"
+            )
+
+
+def check_key(key: KvBlockKey, what: str = "key") -> KvBlockKey:
+    """`key`, when every field is within what a record can hold (`MAX_KEY_FIELD_BYTES`
+    per string, `KEY_INT_END` for the integers); else InvalidArgument naming the field."""
+    for name, value in zip(_KEY_STRINGS, key[:6], strict=True):
+        if value is not None:
+            check_field_size(f"{what}.{name}", value)
+    for name, value in (("block_index", key.block_index), ("token_count", key.token_count)):
+        if not 0 <= value < KEY_INT_END:
+            raise InvalidArgument(f"{what}.{name} {value} is outside 0..{KEY_INT_END - 1}")
+    return key
 
 
 def encode_identity(key: KvBlockKey) -> bytes:

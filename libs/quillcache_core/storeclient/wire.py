@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from quillcache.v1 import common_pb2, store_pb2
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.model import KvBlockKey
+from quillcache_core.storeclient.blockcodec import check_key
 from quillcache_core.wire.keys import key_to_proto  # noqa: F401 - store callers use wire.key_to_proto
 
 DATA_FIELD = 15
@@ -182,7 +183,8 @@ def decode_get_chunk(buf: bytes) -> GetFrame:
 
 
 def key_from_proto(msg: common_pb2.BlockKey, what: str = "key") -> KvBlockKey:
-    """The domain key of a BlockKey; InvalidArgument naming the first empty field.
+    """The domain key of a BlockKey; InvalidArgument naming the first empty field, or
+    one longer than `blockcodec.MAX_KEY_FIELD_BYTES`.
 
     model_id, tokenizer_id, tenant_id, prefix_hash and block_hash are required. An
     empty adapter_id means no adapter.
@@ -191,7 +193,7 @@ def key_from_proto(msg: common_pb2.BlockKey, what: str = "key") -> KvBlockKey:
         if not getattr(msg, name):
             raise InvalidArgument(f"{what}.{name} is empty")
     adapter = msg.adapter_id if msg.HasField("adapter_id") else None
-    return KvBlockKey(
+    key = KvBlockKey(
         model_id=msg.model_id,
         tokenizer_id=msg.tokenizer_id,
         adapter_id=adapter or None,
@@ -201,6 +203,7 @@ def key_from_proto(msg: common_pb2.BlockKey, what: str = "key") -> KvBlockKey:
         block_index=msg.block_index,
         token_count=msg.token_count,
     )
+    return check_key(key, what)
 
 
 def identity_of(key: KvBlockKey) -> common_pb2.Identity:

@@ -39,7 +39,7 @@ from quillcache_core.security.tls import Tls
 from quillcache_core.storeclient.blockcodec import CorruptBlock, payload_checksum
 from quillcache_core.storeclient.datapath import protocol as dataproto
 from quillcache_core.storeclient.datapath.conn import DataConnections
-from quillcache_core.storeclient.datapath.sockets import is_timeout, recv_exactly
+from quillcache_core.storeclient.datapath.sockets import is_timeout, recv_exactly, send_parts
 from quillcache_store.tiers.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class BlockPuller:
                 return
             try:
                 try:
-                    sock.sendall(request)
+                    send_parts(sock, [request])
                 except OSError as exc:
                     raise _Lost(f"data port {address}: {exc}", 0, fresh=True) from None
                 done = self._receive(sock, keys, tier, durable, on_result, cancelled, progress)
@@ -209,8 +209,8 @@ class BlockPuller:
         except OSError as exc:
             if is_timeout(exc):
                 raise _Lost(
-                    f"source sent nothing for {self.io_timeout_s:g}s while block {i} "
-                    f"({key.block_hash}) was due; nothing of it stored",
+                    f"source did not send block {i} ({key.block_hash}) within "
+                    f"{self.io_timeout_s:g}s; nothing of it stored",
                     i,
                 ) from None
             raise _Lost(

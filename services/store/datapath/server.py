@@ -34,7 +34,12 @@ sockets 2.6-3.4 GB/s, and a load's bytes are the engine's own cache coming back 
 
 Threads, not the event loop: the bytes move in blocking `sendmsg` calls that release
 the GIL, so a transfer costs the node's gRPC loop nothing. At most `max_connections`
-connections are served at once; more are closed on accept.
+connections are served at once; more are closed on accept. With TLS a connection takes
+one of them only once authenticated (`gate.TlsGate`: its handshake done within
+`handshake_timeout_s`, by a role in DATA_PORT_ROLES), so connections that never
+handshake keep no peer out. Every receive and send has a deadline (`io_timeout_s` a
+call, `sockets`); a connection that sends no first request within `handshake_timeout_s`,
+or no next one for `idle_timeout_s`, is closed.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ import time
 from quillcache_core.errors import InvalidArgument, NotFound, QuillCacheError
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.security.access import DATA_PORT_ROLES
-from quillcache_core.security.tls import Tls, role_of_cert
+from quillcache_core.security.tls import Tls
 from quillcache_core.storeclient.blockcodec import CorruptBlock, payload_checksum, payload_hasher
 from quillcache_core.storeclient.datapath import protocol as dataproto
 from quillcache_core.storeclient.datapath.sockets import (
@@ -61,7 +66,9 @@ from quillcache_core.storeclient.datapath.sockets import (
     recv_exactly,
     send_parts,
     tune_socket,
+    wait_readable,
 )
+from quillcache_store.datapath.gate import TlsGate
 from quillcache_store.tiers.tiered import TieredStore
 
 log = logging.getLogger(__name__)
@@ -133,7 +140,7 @@ class _Acks:
     def flush(self) -> None:
         if self._queued:
             queued, self._queued = self._queued, []
-            self._conn.sendall(b"".join(queued))
+            send_parts(self._conn, queued)
             self._written(len(queued))
 
 
@@ -148,6 +155,9 @@ class BlockDataServer:
         *,
         max_connections: int = 64,
         io_timeout_s: float = 30.0,
+        handshake_timeout_s: float = 5.0,
+        idle_timeout_s: float = 300.0,
+        max_pending_handshakes: int = 256,
         max_block_bytes: int = 256 * 1024 * 1024,
         tls: Tls | None = None,
         local_socket: str = "",
@@ -161,6 +171,9 @@ class BlockDataServer:
         self.port = port
         self.max_connections = max_connections
         self.io_timeout_s = io_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_pending_handshakes = max_pending_handshakes
         self._listener: socket.socket | None = None
         self._local_listener: socket.socket | None = None
         self._accepters: list[threading.Thread] = []
@@ -198,9 +211,20 @@ class BlockDataServer:
         return self.port
 
     def _accept_on(self, listener: socket.socket, *, local: bool) -> None:
-        thread = threading.Thread(
-            target=self._accept_loop, args=(listener, local), name="store-data-accept", daemon=True
-        )
+        if self._ssl is not None and not local:
+            gate = TlsGate(
+                self._ssl,
+                roles=DATA_PORT_ROLES,
+                handshake_timeout_s=self.handshake_timeout_s,
+                max_pending=self.max_pending_handshakes,
+                admit=lambda conn, peer: self._admit(conn, peer, local=False),
+                refused=self._count_refused,
+                stopping=lambda: self._stopping,
+            )
+            target, args = gate.run, (listener,)
+        else:
+            target, args = self._accept_loop, (listener, local)
+        thread = threading.Thread(target=target, args=args, name="store-data-accept", daemon=True)
         self._accepters.append(thread)
         thread.start()
 
@@ -253,58 +277,44 @@ class BlockDataServer:
                 log.exception("block data accept failed")
                 continue
             if local and not _same_user(conn):
-                with self._lock:
-                    self.connections_refused += 1
+                self._count_refused()
                 log.warning("block data socket: refused a peer of another user")
                 conn.close()
                 continue
-            with self._lock:
-                if self._stopping or len(self._conns) >= self.max_connections:
-                    self.connections_rejected += 1
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-                self.connections_accepted += 1
-                self.local_connections += local
-            threading.Thread(
-                target=self._serve,
-                args=(conn, peer or "local", local),
-                name="store-data-conn",
-                daemon=True,
-            ).start()
+            self._admit(conn, peer or "local", local=local)
 
-    def _secure(self, conn: socket.socket, peer) -> socket.socket | None:
-        """The TLS connection of an allowed role, or None (the connection is refused)."""
-        try:
-            conn.settimeout(self.io_timeout_s)
-            secured = self._ssl.wrap_socket(conn, server_side=True)
-        except (OSError, ValueError) as exc:
-            log.warning("block data port: TLS handshake with %s failed: %s", peer, exc)
-            secured = None
-        role = role_of_cert(secured.getpeercert()) if secured is not None else None
-        if secured is not None and role in DATA_PORT_ROLES:
-            with self._lock:
-                self._conns.discard(conn)
-                self._conns.add(secured)
-            return secured
-        if secured is not None:
-            log.warning("block data port: refused %s (role %s)", peer, role)
+    def _admit(self, conn: socket.socket, peer, *, local: bool) -> None:
+        """Serve an accepted (and, with TLS, authenticated) connection on its own thread
+        if a slot is free; close it otherwise."""
+        with self._lock:
+            if self._stopping or len(self._conns) >= self.max_connections:
+                self.connections_rejected += 1
+                conn.close()
+                return
+            self._conns.add(conn)
+            self.connections_accepted += 1
+            self.local_connections += local
+        threading.Thread(
+            target=self._serve, args=(conn, peer), name="store-data-conn", daemon=True
+        ).start()
+
+    def _count_refused(self) -> None:
         with self._lock:
             self.connections_refused += 1
-        return None
 
-    def _serve(self, conn: socket.socket, peer, local: bool = False) -> None:
+    def _serve(self, conn: socket.socket, peer) -> None:
         acks = None
         try:
-            if self._ssl is not None and not local:
-                secured = self._secure(conn, peer)
-                if secured is None:
-                    return
-                conn = secured
             tune_socket(conn, self.io_timeout_s)
             acks = _Acks(conn, self._count_acks)
             header = memoryview(bytearray(dataproto.REQUEST_HEADER.size))
+            # A client connects when it has a request: one that sends none soon (in the
+            # clear, it may be anyone) gives its slot back.
+            wait_s = self.handshake_timeout_s
             while True:
+                if not wait_readable(conn, wait_s):
+                    return  # idle too long: the client reconnects when it needs to
+                wait_s = self.idle_timeout_s
                 got = recv_exactly(conn, header)
                 if got == 0:
                     return  # the peer closed between requests
@@ -361,7 +371,7 @@ class BlockDataServer:
                 log.info("block %s not sent: %s", key.block_hash, exc)
             with self._lock:
                 self.blocks_refused += 1
-            conn.sendall(dataproto.encode_block_error(status, str(exc)))
+            send_parts(conn, [dataproto.encode_block_error(status, str(exc))])
             return
         view = memoryview(payload)
         header = dataproto.encode_block_header(tier, view.nbytes, payload_checksum(view))

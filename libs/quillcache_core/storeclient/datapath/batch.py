@@ -146,7 +146,7 @@ class BlockBatches:
         try:
             request = dataproto.encode_request(keys)
             sock, _ = self._conns.take(address)
-            sock.sendall(request)
+            send_parts(sock, [request])
             head = memoryview(bytearray(dataproto.BLOCK_HEADER.size))
             for i in range(len(keys)):
                 if recv_exactly(sock, head) < head.nbytes:

@@ -76,6 +76,7 @@ from quillcache_core.errors import (
 from quillcache_core.model import CacheTier, KvBlockKey
 from quillcache_core.storeclient.blockcodec import (
     MAX_IDENTITY_BYTES,
+    check_key,
     decode_identity,
     encode_identity,
 )
@@ -233,10 +234,12 @@ def decode_put_fixed(
 
 
 def decode_put_identity(raw: bytes | memoryview) -> KvBlockKey:
+    """The key of a put; InvalidArgument when malformed or a field is too long."""
     try:
-        return decode_identity(raw)
+        key = decode_identity(raw)
     except Corrupt as exc:
         raise InvalidArgument(f"malformed key in put: {exc}") from None
+    return check_key(key, "put key")
 
 
 def encode_ack(tier: CacheTier, payload_len: int, checksum: int) -> bytes:
@@ -266,7 +269,7 @@ def decode_ack(raw: bytes | memoryview) -> BlockHeader:
 
 
 def decode_request_body(body: bytes | memoryview) -> list[KvBlockKey]:
-    """The keys of a request body; InvalidArgument on anything malformed."""
+    """The keys of a request body; InvalidArgument on anything malformed or too long."""
     try:
         raw = msgpack.unpackb(body, raw=False, use_list=True)
     except Exception as exc:  # msgpack raises several unrelated types
@@ -274,13 +277,14 @@ def decode_request_body(body: bytes | memoryview) -> list[KvBlockKey]:
     if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_REQUEST_KEYS:
         raise InvalidArgument(f"request body must be an array of 1..{MAX_REQUEST_KEYS} keys")
     keys = []
-    for item in raw:
+    for i, item in enumerate(raw):
         if not isinstance(item, bytes):
             raise InvalidArgument("request key is not a binary identity")
         try:
-            keys.append(decode_identity(item))
+            key = decode_identity(item)
         except Corrupt as exc:
             raise InvalidArgument(f"malformed key in request: {exc}") from None
+        keys.append(check_key(key, f"keys[{i}]"))
     return keys
 
 
