@@ -11,7 +11,10 @@ Layout of an `EtcdServer` data dir::
 
 Secure mode (`tls_dir`, the directory `quillcache certs` wrote): clients speak TLS on
 an https URL and must show a certificate of the cluster's CA; etcd takes the
-certificate's common name (the role) as the user name. After each start the server
+certificate's common name (the role) as the user name. The peer port (raft, and the
+lease renewals a follower forwards) is TLS too and takes only an etcd member: a
+certificate of the cluster's CA whose common name is `etcd` (`PEER_ROLE`); a component's
+certificate, or none, gets no TLS session there. After each start the server
 makes sure etcd's users and roles exist (`ETCD_ROLES`) and auth is on:
 
     root                       everything (etcd's administrator; the `root` cert)
@@ -66,6 +69,11 @@ ETCD_ROLES: dict[str, list[tuple[str, str]]] = {
     "operator": [(READ, ROOT_PREFIX)],
 }
 ETCD_USERS = ("root", *ETCD_ROLES)
+
+# The role of etcd's own certificate: what it serves with, and the one common name its
+# peer port accepts (etcd RBAC does not reach the peer port: raft messages and lease
+# renewals there carry no user).
+PEER_ROLE = "etcd"
 
 
 class EtcdStartError(RuntimeError):
@@ -208,7 +216,7 @@ class EtcdServer:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{_HOST}:{self.peer_port}"
+        return f"{'https' if self.secure else 'http'}://{_HOST}:{self.peer_port}"
 
     @property
     def pid(self) -> int | None:
@@ -311,7 +319,7 @@ class EtcdServer:
     def _tls_argv(self) -> list[str]:
         if self.tls_dir is None:
             return []
-        ca, cert, key = self.cert_paths("etcd")
+        ca, cert, key = self.cert_paths(PEER_ROLE)
         for path in (ca, cert, key):
             if not path.is_file():
                 raise FileNotFoundError(
@@ -326,6 +334,15 @@ class EtcdServer:
             "--trusted-ca-file",
             str(ca),
             "--client-cert-auth",
+            "--peer-cert-file",
+            str(cert),
+            "--peer-key-file",
+            str(key),
+            "--peer-trusted-ca-file",
+            str(ca),
+            "--peer-client-cert-auth",
+            "--peer-cert-allowed-cn",
+            PEER_ROLE,
         ]
 
     def _spawn_and_wait(self) -> None:

@@ -2,7 +2,10 @@
 
 Every node registers a `NodeRecord` under `/quillcache/v1/nodes/{kind}/{id}` with a
 lease (TTL). The owner keeps the lease alive in the background; when the owner dies
-the lease expires and the key disappears, so watchers see a "leave".
+the lease expires and the key disappears, so watchers see a "leave". Only the owner's
+renewals count: someone else keeping its lease alive does not keep the node in the
+fleet (etcd lets any client renew any lease, so there the owner also rewrites its
+record and readers drop one that is not rewritten: `renewals`).
 """
 
 from __future__ import annotations

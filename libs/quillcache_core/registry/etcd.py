@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -35,6 +36,7 @@ from quillcache_core.registry.records import (
     node_key,
     parse_node_key,
 )
+from quillcache_core.registry.renewals import RenewalTracker
 
 if TYPE_CHECKING:
     from quillcache_core.security.tls import Tls
@@ -55,6 +57,9 @@ _EV_PUT = 0
 _EV_DELETE = 1
 
 _DENIED_CODES = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+
+# Why `_follow` returned when a followed record's owner stopped rewriting it.
+_RENEWAL_DUE = "a record is due for its owner's renewal"
 
 
 def _is_denial(exc: BaseException) -> bool:
@@ -126,11 +131,16 @@ class EtcdRegistry(NodeRegistry):
     NodeUnavailable when etcd cannot be reached. Leases are whole seconds:
     ``max(1, ceil(ttl_s))`` (etcd may raise it further to its minimum TTL).
 
-    Each registration has its own keepalive task (one LeaseKeepAlive round trip every
-    granted_ttl/3 s). If etcd reports the lease gone (TTL <= 0, or NOT_FOUND) or etcd
-    has been unreachable for longer than the TTL, the task grants a new lease and puts
-    the record again, retrying every 0.5 s until it succeeds: a node whose lease ran
-    out during an etcd stall is back within milliseconds of etcd answering again.
+    Each registration has its own keepalive task: every granted_ttl/3 s one
+    LeaseKeepAlive round trip, then the record written again on its lease (with the
+    TTL in it), the renewal only its owner can make. Readers (`list`, `get`, `watch`)
+    take a record that promises renewals as gone once they have not seen it rewritten
+    for 1.5 TTLs, even while its lease lives: etcd lets any client keep any lease
+    alive (`registry.renewals`). If etcd reports the lease gone (TTL <= 0, or
+    NOT_FOUND) or etcd has been unreachable for longer than the TTL, the task grants a
+    new lease and puts the record again, retrying every 0.5 s until it succeeds: a
+    node whose lease ran out during an etcd stall is back within milliseconds of etcd
+    answering again.
 
     `recently_unreachable(s)` says whether a call failed, or was answered only after
     `slow_call_s`, within the last `s` seconds, or is pending for longer than that now:
@@ -203,6 +213,7 @@ class EtcdRegistry(NodeRegistry):
         self._inflight: dict[int, float] = {}
         self._call_ids = itertools.count()
         self._trouble_at = -math.inf
+        self._renewals = RenewalTracker(time.monotonic)
 
     @property
     def endpoints(self) -> list[str]:
@@ -320,10 +331,11 @@ class EtcdRegistry(NodeRegistry):
             raise self._failure("lease grant", exc) from exc
         if reg is not None:
             reg.pending_lease_id = lease.ID
+        granted = int(lease.TTL) or ttl
         try:
             with self._tracked():
                 await client.kv.put(
-                    record.key, record.to_json(), lease=lease.ID, timeout=self._timeout_s
+                    record.key, _stored(record, granted), lease=lease.ID, timeout=self._timeout_s
                 )
         except BaseException as exc:
             if reg is not None:
@@ -332,7 +344,22 @@ class EtcdRegistry(NodeRegistry):
             if isinstance(exc, _ETCD_ERRORS):
                 raise self._failure("put", exc, record.key) from exc
             raise
-        return lease.ID, int(lease.TTL) or ttl
+        return lease.ID, granted
+
+    async def _rewrite(self, reg: _Registration, timeout_s: float) -> None:
+        """Write the record again on its lease: the renewal readers trust, as only its
+        owner may write it (`registry.renewals`). A failure waits for the next round."""
+        key = reg.record.key
+        try:
+            client = await self._conn()
+            with self._tracked():
+                await client.kv.put(
+                    key, _stored(reg.record, reg.granted_ttl), lease=reg.lease_id, timeout=timeout_s
+                )
+        except _ETCD_ERRORS as exc:
+            failure = self._failure("put", exc, key)
+            level = logging.ERROR if isinstance(failure, RegistryAccessDenied) else logging.DEBUG
+            log.log(level, "rewrite of %s failed: %s", key, failure)
 
     def _start_keepalive(self, reg: _Registration) -> None:
         reg.task = asyncio.create_task(
@@ -371,10 +398,9 @@ class EtcdRegistry(NodeRegistry):
             interval = max(0.1, reg.granted_ttl / 3.0)
             await asyncio.sleep(min(interval, 0.5) if lost else interval)
             if not lost:
+                timeout_s = min(self._timeout_s, max(0.5, reg.granted_ttl / 2.0))
                 try:
-                    ttl = await self._keepalive_once(
-                        reg.lease_id, min(self._timeout_s, max(0.5, reg.granted_ttl / 2.0))
-                    )
+                    ttl = await self._keepalive_once(reg.lease_id, timeout_s)
                 except QuillCacheError as exc:  # unavailable, or denied: a new lease then
                     down_s = time.monotonic() - last_ok
                     if down_s > reg.granted_ttl:
@@ -393,6 +419,7 @@ class EtcdRegistry(NodeRegistry):
                     continue
                 if ttl > 0:
                     last_ok = time.monotonic()
+                    await self._rewrite(reg, timeout_s)
                     continue
                 log.warning(
                     "lease %x of %s/%s expired; re-registering", reg.lease_id, kind, node_id
@@ -460,6 +487,27 @@ class EtcdRegistry(NodeRegistry):
             log.warning("ignoring invalid node record at %r: %s", kv.key, exc)
             return None
 
+    def _renewed(self, record: NodeRecord, kv: Any) -> bool:
+        """Whether `record` (read from `kv`) is still rewritten by its owner."""
+        return self._renewals.alive(
+            record.key, kv.mod_revision, record.lease_ttl_s, self._trouble_at
+        )
+
+    def _live(self, kv: Any) -> NodeRecord | None:
+        """The record at `kv`; None if unreadable or no longer renewed by its owner."""
+        record = self._decode(kv)
+        return record if record is not None and self._renewed(record, kv) else None
+
+    def _first_due(self, told: dict[NodeKey, NodeRecord]) -> float:
+        """When the first of `told` turns stale unless its owner rewrites it (inf: never)."""
+        return min(
+            (
+                self._renewals.due_at(rec.key, rec.lease_ttl_s, self._trouble_at)
+                for rec in told.values()
+            ),
+            default=math.inf,
+        )
+
     async def _range(self, prefix: str) -> Any:
         try:
             client = await self._conn()
@@ -472,11 +520,12 @@ class EtcdRegistry(NodeRegistry):
 
     async def list(self, kind: str | None = None) -> list[NodeRecord]:
         resp = await self._range(kind_prefix(kind))
-        records = [rec for rec in map(self._decode, resp.kvs) if rec is not None]
+        records = [rec for rec in map(self._live, resp.kvs) if rec is not None]
         return sorted(records, key=lambda rec: (rec.kind, rec.id))
 
     async def get(self, kind: str, id: str) -> NodeRecord | None:
-        """The record, or None. Raises InvalidArgument if the stored value is unreadable."""
+        """The record, or None (also for one its owner no longer renews). Raises
+        InvalidArgument if the stored value is unreadable."""
         key = node_key(kind, id)
         try:
             client = await self._conn()
@@ -486,7 +535,8 @@ class EtcdRegistry(NodeRegistry):
             raise self._failure("get", exc, key) from exc
         if not resp.kvs:
             return None
-        return NodeRecord.from_json(kind, id, resp.kvs[0].value)
+        record = NodeRecord.from_json(kind, id, resp.kvs[0].value)
+        return record if self._renewed(record, resp.kvs[0]) else None
 
     # -- watch ----------------------------------------------------------------------
 
@@ -535,7 +585,7 @@ class EtcdRegistry(NodeRegistry):
                 backoff = min(backoff * 2, self._max_backoff_s)
                 continue
             current: dict[NodeKey, NodeRecord] = {}
-            for rec in map(self._decode, snap.kvs):
+            for rec in map(self._live, snap.kvs):
                 if rec is not None:
                     current[(rec.kind, rec.id)] = rec
             events = diff_records(told, current)
@@ -551,6 +601,9 @@ class EtcdRegistry(NodeRegistry):
             reason, healthy = await self._follow(prefix, revision, told, out)
             if healthy:
                 backoff = self._backoff_s
+            if reason == _RENEWAL_DUE:  # the re-list's read decides which are stale
+                log.debug("watch %s: %s; re-listing", prefix, reason)
+                continue
             log.warning("watch %s: %s; re-listing in %.2fs", prefix, reason, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
@@ -563,9 +616,11 @@ class EtcdRegistry(NodeRegistry):
         out: asyncio.Queue[object],
     ) -> tuple[str, bool]:
         """Apply live events after `revision` to `told`, emitting them, until the stream
-        needs a re-list. Returns (why, whether the stream had been created)."""
+        needs a re-list, or a record of `told` is due for its owner's renewal (the
+        re-list judges it). Returns (why, whether the stream had been created)."""
         created = False
         call = None
+        pending: asyncio.Future[Any] | None = None
         try:
             client = await self._conn()
             # Write/read style (no request iterator): nothing is left behind when the
@@ -578,8 +633,18 @@ class EtcdRegistry(NodeRegistry):
                 prev_kv=True,
             )
             await call.write(WatchRequest(create_request=create))
+            # Deadlines only move later as owners rewrite: recomputed once one passes.
+            due = self._first_due(told)
+            pending = asyncio.ensure_future(call.read())
             while True:
-                resp = await call.read()
+                wait_s = None if math.isinf(due) else max(0.0, due - time.monotonic())
+                done, _ = await asyncio.wait({pending}, timeout=wait_s)
+                if not done:
+                    due = self._first_due(told)
+                    if due <= time.monotonic():
+                        return _RENEWAL_DUE, created
+                    continue
+                resp = pending.result()
                 if resp is grpc.aio.EOF:
                     return "watch stream ended", created
                 if resp.created:
@@ -595,12 +660,21 @@ class EtcdRegistry(NodeRegistry):
                     event = self._apply(ev, told)
                     if event is not None:
                         out.put_nowait(event)
+                        due = min(
+                            due,
+                            self._renewals.due_at(
+                                event.record.key, event.record.lease_ttl_s, self._trouble_at
+                            ),
+                        )
+                pending = asyncio.ensure_future(call.read())
         except _ETCD_ERRORS as exc:
             if not _is_denial(exc):
                 self._trouble_at = time.monotonic()
             detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
             return f"watch stream failed ({detail})", created
         finally:
+            if pending is not None:
+                pending.cancel()
             if call is not None:
                 call.cancel()
 
@@ -621,9 +695,11 @@ class EtcdRegistry(NodeRegistry):
         if record is None:  # now unreadable: treat it as gone
             last = told.pop(key, None)
             return NodeEvent(LEAVE, last) if last is not None else None
-        event_type = UPDATE if key in told else JOIN
-        told[key] = record
-        return NodeEvent(event_type, record)
+        self._renewals.observe(record.key, ev.kv.mod_revision)
+        old, told[key] = told.get(key), record
+        if old == record:
+            return None  # its owner's renewal
+        return NodeEvent(UPDATE if old is not None else JOIN, record)
 
     # -- shutdown -------------------------------------------------------------------
 
@@ -647,6 +723,11 @@ class EtcdRegistry(NodeRegistry):
         if client is not None:
             await client.close()
         log.info("etcd registry closed (%d registrations removed)", len(regs))
+
+
+def _stored(record: NodeRecord, ttl: int) -> bytes:
+    """The value an owner writes: its record with the TTL it renews it within."""
+    return dataclasses.replace(record, lease_ttl_s=float(ttl)).to_json()
 
 
 def _detail(exc: BaseException) -> str:

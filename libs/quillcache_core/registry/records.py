@@ -110,6 +110,10 @@ class NodeRecord:
     data_address: str = ""  # host:port of a store's raw TCP block-data port, or ""
     block_size: int = 0  # an engine's KV block size in tokens (0 = not said)
     role: str = "both"  # an engine's disaggregation role: one of ENGINE_ROLES
+    # The TTL of the lease its owner keeps, written by the registry on each renewal (see
+    # `registry.renewals`); 0 for a writer that promises no renewals (etcdctl, older
+    # nodes). Not part of a record's identity: the same node on another TTL is equal.
+    lease_ttl_s: float = field(default=0.0, compare=False)
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -168,11 +172,13 @@ class NodeRecord:
                         f"node {kind}/{id}: {name} must be a non-negative integer"
                     )
                 values[name] = value
-            elif name == "start_time_s":
+            elif name in ("start_time_s", "lease_ttl_s"):
                 if value is None:
                     continue
                 if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise InvalidArgument(f"node {kind}/{id}: start_time_s must be a number")
+                    raise InvalidArgument(f"node {kind}/{id}: {name} must be a number")
+                if name == "lease_ttl_s" and not (math.isfinite(value) and value >= 0):
+                    raise InvalidArgument(f"node {kind}/{id}: lease_ttl_s must be >= 0")
                 values[name] = float(value)
             else:
                 extra[name] = value
