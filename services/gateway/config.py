@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import stat
 from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
@@ -9,6 +12,8 @@ from quillcache_core.process.service import event_loop_opt
 from quillcache_core.process.settings import opt
 from quillcache_core.security.tls import TlsSettings
 from quillcache_gateway.limits import TenantLimit, check_limit, parse_tenant_limits
+
+MAX_KEYS_FILE_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -27,9 +32,19 @@ class GatewayConfig(TlsSettings):
         "spread over every replica)",
         choices=("primary", "round-robin"),
     )
-    api_keys: str = opt(
+    api_keys: str = dataclasses.field(
+        default="",
+        repr=False,
+        metadata={
+            "help": "API keys as tenant=key[,tenant=key...], best from the environment: a "
+            "command line is every local user's to read (ps); empty (and no "
+            "--api-keys-file) = no auth, every request is tenant 'default'"
+        },
+    )
+    api_keys_file: str = opt(
         "",
-        "API keys as tenant=key[,tenant=key...]; empty = no auth, every request is tenant 'default'",
+        "a file of API keys, tenant=key a line (or comma-separated), readable by its owner "
+        "only (mode 0600 or stricter)",
     )
     cache_salts: str = opt(
         "", "per-tenant cache salt as tenant=salt[,...]; a tenant not listed uses its id"
@@ -48,6 +63,29 @@ class GatewayConfig(TlsSettings):
         256, "max_tokens when the request sets none (expected decode length)"
     )
     max_body_bytes: int = opt(4 * 1024 * 1024, "larger request bodies get 413")
+    header_timeout_s: float = opt(
+        10.0,
+        "a connection must finish its TLS handshake and each request's line and headers "
+        "within this long of opening or of its request's first byte, or it is closed",
+    )
+    body_timeout_s: float = opt(
+        30.0,
+        "a request's body must arrive within this long of its headers (4 MiB at 140 KB/s), "
+        "or it gets 408 and the connection is closed",
+    )
+    idle_timeout_s: float = opt(
+        75.0, "a keep-alive connection idle this long between requests is closed"
+    )
+    memo_bytes: int = opt(
+        256 * 1024 * 1024,
+        "bytes kept of recent prompts' work (token ids, block hashes) for all tenants; "
+        "each tenant gets an equal share, at most --tenant-memo-bytes",
+    )
+    tenant_memo_bytes: int = opt(
+        32 * 1024 * 1024,
+        "bytes kept of one tenant's recent prompts' work, its own: no tenant's requests "
+        "change what another's find there, or how fast they are prepared",
+    )
     max_json_depth: int = opt(
         64,
         "request bodies whose arrays and objects nest deeper get 400 (checked before "
@@ -115,6 +153,10 @@ class GatewayConfig(TlsSettings):
     )
     event_loop: str = event_loop_opt()
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    # tenant -> API key, read once from --api-keys or --api-keys-file (not a flag).
+    _keys: dict[str, str] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -122,6 +164,12 @@ class GatewayConfig(TlsSettings):
             raise InvalidArgument("--conductor is required unless --registry names an etcd")
         if self.block_size <= 0 or self.max_body_bytes <= 0:
             raise InvalidArgument("--block-size and --max-body-bytes must be positive")
+        if min(self.header_timeout_s, self.body_timeout_s, self.idle_timeout_s) <= 0:
+            raise InvalidArgument(
+                "--header-timeout-s, --body-timeout-s and --idle-timeout-s must be positive"
+            )
+        if self.memo_bytes < 0 or self.tenant_memo_bytes < 0:
+            raise InvalidArgument("--memo-bytes and --tenant-memo-bytes must be >= 0")
         if self.upstream_timeout_s <= 0 or self.upstream_connect_timeout_s <= 0:
             raise InvalidArgument(
                 "--upstream-timeout-s and --upstream-connect-timeout-s must be positive"
@@ -134,7 +182,9 @@ class GatewayConfig(TlsSettings):
             raise InvalidArgument(
                 "--plan-fallback-timeout-s and --plan-fallback-retry-s must be positive"
             )
-        parse_pairs(self.api_keys, "--api-keys")
+        if self.api_keys and self.api_keys_file:
+            raise InvalidArgument("give --api-keys or --api-keys-file, not both")
+        object.__setattr__(self, "_keys", self._read_keys())  # frozen: set once, here
         parse_pairs(self.cache_salts, "--cache-salts")
         if not 1 <= self.max_json_depth <= 512:
             raise InvalidArgument("--max-json-depth must be from 1 to 512")
@@ -144,8 +194,28 @@ class GatewayConfig(TlsSettings):
             )
         self.limits_by_tenant()
 
+    def _read_keys(self) -> dict[str, str]:
+        """tenant -> key, from --api-keys or the file --api-keys-file names."""
+        if not self.api_keys_file:
+            return parse_pairs(self.api_keys, "--api-keys")
+        path = self.api_keys_file
+        try:
+            with open(path, encoding="utf-8") as keys:
+                mode = os.fstat(keys.fileno()).st_mode
+                text = keys.read(MAX_KEYS_FILE_BYTES + 1)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"--api-keys-file: cannot read {path}: {exc}") from exc
+        if mode & 0o077:
+            raise InvalidArgument(
+                f"--api-keys-file: {path} is open to other users (mode "
+                f"{stat.S_IMODE(mode):04o}): chmod 600 it"
+            )
+        if len(text) > MAX_KEYS_FILE_BYTES:
+            raise InvalidArgument(f"--api-keys-file: {path} is over {MAX_KEYS_FILE_BYTES} bytes")
+        return parse_pairs(",".join(text.splitlines()), "--api-keys-file")
+
     def tenants_by_key(self) -> dict[str, str]:
-        return {key: tenant for tenant, key in parse_pairs(self.api_keys, "--api-keys").items()}
+        return {key: tenant for tenant, key in self._keys.items()}
 
     def salts_by_tenant(self) -> dict[str, str]:
         """Configured cache salts; a tenant not listed uses its own id."""
@@ -158,9 +228,9 @@ class GatewayConfig(TlsSettings):
         return TenantLimit(self.default_rps, self.default_tpm, self.default_concurrent)
 
     def limits_by_tenant(self) -> dict[str, TenantLimit]:
-        """--tenant-limits, each tenant one of --api-keys' ('default' without keys)."""
+        """--tenant-limits, each tenant one with an API key ('default' without keys)."""
         limits = parse_tenant_limits(self.tenant_limits, self.default_limit())
-        known = set(parse_pairs(self.api_keys, "--api-keys")) or {"default"}
+        known = set(self._keys) or {"default"}
         unknown = sorted(set(limits) - known)
         if unknown:
             raise InvalidArgument(

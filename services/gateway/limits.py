@@ -9,8 +9,8 @@ A kind left out of a tenant's entry takes its default. Requests a second and tok
 minute are token buckets refilled continuously (no background task): a tenant may burst
 one second's requests (at least one) and one minute's tokens, then goes at the rate.
 A request is admitted (`enter`) against its tenant's in-flight and requests-a-second
-limits before its body is read, and charged its prompt tokens (`charge`) once they are
-known, before it is planned; `leave` ends it. Over a limit: 429 with Retry-After (whole
+limits once its body is read and valid (a slow upload holds no place), and charged its
+prompt tokens (`charge`) once they are known, before it is planned; `leave` ends it. Over a limit: 429 with Retry-After (whole
 seconds, at least 1) and OpenAI's error, type "requests" or "tokens", code
 "rate_limit_exceeded". A prompt larger than the tenant's whole minute of tokens can never
 pass: 429 with Retry-After 60 and a message that says so. Not thread-safe: one event loop.

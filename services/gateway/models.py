@@ -27,6 +27,8 @@ from quillcache_core.identity.tokenize import (
     BuiltinTokenizer,
     ModelTokenizer,
     Tokenizer,
+    TokenizerView,
+    TokenMemo,
     load_tokenizers,
     prompt_tokens,
 )
@@ -60,8 +62,9 @@ class ModelCatalog:
         upstream: Callable[[], UpstreamPool],
     ) -> None:
         self.tokenizers: dict[str, Tokenizer] = load_tokenizers(tokenizers_spec)
-        # Prompts repeat their openings (a document, a conversation so far): reuse ids.
-        self.builtin = BuiltinTokenizer(prefix_cache=64)
+        # Prompts repeat their openings (a document, a conversation so far): ids are
+        # reused from the tenant's own memo (`tokenizer_for`).
+        self.builtin = BuiltinTokenizer()
         self.timeout_s = timeout_s
         # Tokens a block, as the conductor's index keeps them (its Stats say; the
         # configured --block-size until they do).
@@ -169,23 +172,24 @@ class ModelCatalog:
         served = await self.served_models()
         return served.get(model, served.get(""))
 
-    def tokenizer_for(self, model: str, tokenizer_id: str, tenant: str = "") -> Tokenizer | None:
+    def tokenizer_for(self, model: str, tokenizer_id: str, memo: TokenMemo) -> TokenizerView | None:
         """The local tokenizer for a model served under `tokenizer_id` (its engines' record),
-        or None when there is none here and an engine must tokenize.
+        as a view for one request that reuses and keeps (its `commit`) only `memo`'s
+        work (the tenant's); None when there is none here and an engine must tokenize.
 
         In order: the gateway's --tokenizers entry for the model; the built-in one when
         the record names it (the sim engine's); the model directory the record names (or
         the model, when it names no tokenizer), if it exists on this host.
         """
         configured = self.tokenizers.get(model)
-        if configured is not None:  # each one's reuse of earlier prompts stays in the tenant
-            return configured.scoped(tenant)
+        if configured is not None:
+            return configured.scoped(memo)
         if tokenizer_id == self.builtin.name:
-            return self.builtin.scoped(tenant)
+            return self.builtin.scoped(memo)
         name = tokenizer_id or model
         if name in self._record_tokenizers:
             known = self._record_tokenizers[name]
-            return None if known is None else known.scoped(tenant)
+            return None if known is None else known.scoped(memo)
         found = None
         path = Path(name)
         if path.is_dir() and (path / "tokenizer.json").exists():
@@ -196,7 +200,7 @@ class ModelCatalog:
         if len(self._record_tokenizers) >= MAX_TOKENIZERS:
             self._record_tokenizers.clear()
         self._record_tokenizers[name] = found
-        return None if found is None else found.scoped(tenant)
+        return None if found is None else found.scoped(memo)
 
     async def engine_tokens(self, model: str, payload: dict, kind: str) -> list[int]:
         """The prompt ids from an engine serving `model` (vLLM's POST /tokenize)."""

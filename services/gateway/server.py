@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import secrets
@@ -29,11 +28,8 @@ from aiohttp import web
 from quillcache.v1 import common_pb2, conductor_pb2
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.chain import BlockChain
-from quillcache_core.identity.hashing import RecentChains
 from quillcache_core.identity.keys import BlockIdentity, block_identity
-from quillcache_core.identity.tokenize import (
-    request_tokens,
-)
+from quillcache_core.identity.tokenize import TokenizerView, request_tokens
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tenants import tenant_salt
@@ -41,11 +37,18 @@ from quillcache_core.security.tls import role_of_cert
 from quillcache_core.wire import engine_plan
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
+from quillcache_gateway.connections import (
+    ConnectionDeadlines,
+    GuardedSite,
+    answer_and_close,
+    server_logger,
+)
 from quillcache_gateway.disagg import HEADER as DISAGG_HEADER
 from quillcache_gateway.disagg import Disaggregator, SplitContext, answer_headers, requested_mode
 from quillcache_gateway.errors import ApiError, from_domain, response
 from quillcache_gateway.fallback import PLAN_HEADER, SKIP, PlanFallback, is_fallback
 from quillcache_gateway.limits import TenantLimiter
+from quillcache_gateway.memos import TenantMemos
 from quillcache_gateway.models import ModelCatalog
 from quillcache_gateway.replicas import ConductorReplicas
 from quillcache_gateway.reservations import OpenPlans, early_outcome, shielded
@@ -73,7 +76,9 @@ class _Completion:
     """A validated completion request: its body (raw and parsed), model, tokenizer, tokens.
 
     `tokenizer_id` is the tokenizer the serving engines' registry record names ("" =
-    the model's own): the identity's, whatever local files the tokens came from.
+    the model's own): the identity's, whatever local files the tokens came from;
+    `tokenizer` the local one that tokenized the prompt (None: an engine did), whose
+    `commit` keeps its work in the tenant's memo once an engine took the request.
     """
 
     raw: bytes
@@ -83,6 +88,7 @@ class _Completion:
     tokens: list[int]
     max_tokens: int
     stream: bool
+    tokenizer: TokenizerView | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +182,13 @@ class Gateway:
             "gateway_finish_dropped_total", "Finish calls dropped because too many were queued"
         )
         self.limits = TenantLimiter(config.limits_by_tenant(), config.default_limit(), m)
-        self._chains = RecentChains()  # prompts open alike: a shared opening is hashed once
+        # Prompts open alike: a shared opening is tokenized and hashed once, per tenant.
+        self.memos = TenantMemos(
+            set(self.tenants.values()) or {"default"},
+            config.memo_bytes,
+            config.tenant_memo_bytes,
+        )
+        self.deadlines = ConnectionDeadlines(config.header_timeout_s, config.idle_timeout_s, m)
         self.fallback = PlanFallback(
             self.catalog,
             m,
@@ -193,9 +205,6 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self.port = 0
         self._identities: dict[tuple[str, str, str], _Identity] = {}
-        # Request ids: 24 hex digits, a random per-process half and a counter.
-        self._id_prefix = secrets.token_hex(6)
-        self._ids = itertools.count()
 
     @property
     def http_server(self) -> web.Server | None:
@@ -238,7 +247,9 @@ class Gateway:
             engine_key=self.tls.engine_key() if self.tls else "",
         )
         self.disagg.bind(SplitContext(self.upstream.post, self._finishes.submit, self.open_plans))
-        app = web.Application(client_max_size=cfg.max_body_bytes)
+        app = web.Application(
+            client_max_size=cfg.max_body_bytes, middlewares=[self.deadlines.middleware]
+        )
         app.add_routes(
             [
                 web.post("/v1/chat/completions", self.chat_completions),
@@ -248,9 +259,9 @@ class Gateway:
                 web.get("/metrics", self.render_metrics),
             ]
         )
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, logger=server_logger())
         await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.host, cfg.port, ssl_context=self._ssl_context())
+        site = GuardedSite(self._runner, cfg.host, cfg.port, self._ssl_context(), self.deadlines)
         await site.start()
         self.port = self._runner.addresses[-1][1]
         logger.info(
@@ -318,26 +329,35 @@ class Gateway:
 
     async def _serve(self, request: web.Request, kind: str) -> web.StreamResponse:
         arrived = time.perf_counter()
-        request_id = f"qc-{self._id_prefix}{next(self._ids):012x}"
+        request_id = "qc-" + secrets.token_hex(12)  # random: says nothing of other traffic
         tenant = ""
         status = "499"  # unless set below: the client left (the handler was cancelled)
         try:
             tenant = self._tenant(request)
-            self.limits.enter(tenant)  # 429 over its requests a second or in flight
+            cfg = self.config
+            raw, payload = await read_json(
+                request, cfg.max_body_bytes, cfg.max_json_depth, cfg.body_timeout_s
+            )
+            fields = self._fields(payload, kind)
+            slo_ms = self._slo_ms(request)
+            mode = requested_mode(request.headers.get(DISAGG_HEADER))  # 400 if not a mode
+            # Only a request read and valid holds a place: 429 over its requests a second
+            # or in flight.
+            self.limits.enter(tenant)
             try:
-                cfg = self.config
-                raw, payload = await read_json(request, cfg.max_body_bytes, cfg.max_json_depth)
-                job = await self._parse(raw, payload, kind, tenant)
-                slo_ms = self._slo_ms(request)
+                job = await self._parse(raw, payload, kind, tenant, fields)
                 self.limits.charge(tenant, len(job.tokens))  # 429 over its tokens a minute
-                result = await self._proxy(request, request_id, arrived, tenant, job, slo_ms)
+                result = await self._proxy(request, request_id, arrived, tenant, job, slo_ms, mode)
             finally:
                 self.limits.leave(tenant)
             status = str(result.status)
             return result
         except ApiError as err:
             status = str(err.status)
-            return response(err, {"x-quillcache-request-id": request_id})
+            reply = response(err, {"x-quillcache-request-id": request_id})
+            if (err.headers or {}).get("Connection") == "close":
+                await answer_and_close(request, reply)
+            return reply
         except Exception as exc:
             status = "499" if isinstance(exc, ConnectionError) else "500"
             raise
@@ -356,11 +376,23 @@ class Gateway:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return tenant
 
-    async def _parse(self, raw: bytes, payload: dict, kind: str, tenant: str) -> _Completion:
+    def _fields(self, payload: dict, kind: str) -> tuple[str, int | None, bool]:
+        """The request's model, max_tokens (None: not set) and stream, or 400."""
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' must be a non-empty string", param="model")
-        max_tokens, stream = check_fields(payload, kind, self.config.max_tokens_limit)
+        return model, *check_fields(payload, kind, self.config.max_tokens_limit)
+
+    async def _parse(
+        self,
+        raw: bytes,
+        payload: dict,
+        kind: str,
+        tenant: str,
+        fields: tuple[str, int | None, bool],
+    ) -> _Completion:
+        """The request with its prompt tokenized (`fields`: `_fields`' answer)."""
+        model, max_tokens, stream = fields
         tokenizer_id = await self.catalog.served_tokenizer(model)
         if tokenizer_id is None:
             raise ApiError(
@@ -370,7 +402,7 @@ class Gateway:
                 param="model",
             )
         field = "messages" if kind == "chat" else "prompt"
-        tokenizer = self.catalog.tokenizer_for(model, tokenizer_id, tenant)
+        tokenizer = self.catalog.tokenizer_for(model, tokenizer_id, self.memos.of(tenant).tokens)
         try:
             if tokenizer is None:
                 tokens = await self.catalog.engine_tokens(model, payload, kind)
@@ -390,6 +422,7 @@ class Gateway:
             tokens,
             max_tokens or self.config.default_max_tokens,
             stream,
+            tokenizer,
         )
 
     def _slo_ms(self, request: web.Request) -> int:
@@ -458,24 +491,31 @@ class Gateway:
             reason = fallback.failed(exc, turn)
             if reason is not None:
                 return fallback.route(call, excluded, reason, exc)
-            if isinstance(exc, grpc.aio.AioRpcError):
-                raise from_domain(error_from_status(exc.code(), exc.details() or "")) from None
-            raise
+            if not isinstance(exc, grpc.aio.AioRpcError):
+                raise
+            status = (exc.code(), exc.details() or "")
+            # The call's error sits in a reference cycle of the RPC's frames: without its
+            # traceback it holds none of this request's frames (its prompt, its tokens)
+            # until the collector comes by.
+            exc.__traceback__ = None
         except BaseException:
             fallback.abandoned(turn)
             raise
+        else:
+            fallback.answered(turn)
+            self.open_plans.add(plan)
+            return plan
         finally:
             self.plan_sum.inc(time.perf_counter() - started)
             self.plan_count.inc()
-        fallback.answered(turn)
-        self.open_plans.add(plan)
-        return plan
+        # Raised outside the handler, and held by no local: no context, no cycle.
+        raise from_domain(error_from_status(*status))
 
-    async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms):
+    async def _proxy(self, request, request_id, arrived, tenant, job: _Completion, slo_ms, mode):
         ident = self._identity(tenant, job.model, job.tokenizer_id)
         block_size = self.catalog.block_size
-        chain, hashes = BlockChain.of_tokens(ident.identity, job.tokens, block_size, self._chains)
-        mode = requested_mode(request.headers.get(DISAGG_HEADER))  # 400 if not a mode
+        chains = self.memos.of(tenant).chains.deferred()
+        chain, hashes = BlockChain.of_tokens(ident.identity, job.tokens, block_size, chains)
         call = _Call(request_id, arrived, slo_ms, job, ident, chain, hashes, mode)
         self.prepare_sum.inc(time.perf_counter() - arrived)
         self._finishes.hold()  # no Finish competes with this request for its answer
@@ -483,6 +523,10 @@ class Gateway:
             plan, upstream = await self._open_upstream(call, request.path)
         finally:
             self._finishes.unhold()
+        if upstream.status == 200:  # planned and taken: its work is kept for the next ones
+            if job.tokenizer is not None:
+                job.tokenizer.commit()
+            chains.commit()
         headers = {"x-quillcache-request-id": request_id, "x-quillcache-engine": plan.engine_id}
         if is_fallback(plan):  # the gateway chose the engine: no reservation, no plan's numbers
             headers[PLAN_HEADER] = "fallback"

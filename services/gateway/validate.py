@@ -2,7 +2,7 @@
 
 Checked before any work is done for a request (no Plan, no engine call):
 
-- the body: UTF-8, JSON nested at most `--max-json-depth` levels (checked by a scan
+- the body: in at most `--body-timeout-s` (408), UTF-8, JSON nested at most `--max-json-depth` levels (checked by a scan
   that never recurses, before the parser, whose recursion would otherwise blow up on
   a body nested thousands deep), no NaN/Infinity literals, no number outside a double
   or over Python's 4,300-digit integer limit, no lone UTF-16 surrogate ("\\ud800":
@@ -19,6 +19,7 @@ Fields not listed here (an engine's own extensions) are forwarded as they came.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -41,6 +42,7 @@ _STEP[ord("[")] = _STEP[ord("{")] = 1
 _STEP[ord("]")] = _STEP[ord("}")] = -1
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _UTF8_CHARSETS = ("utf-8", "utf8", "us-ascii", "ascii")
+CLOSE = {"Connection": "close"}
 
 
 def check_content_type(header: str | None) -> None:
@@ -252,16 +254,26 @@ def _check_messages(messages) -> None:
 
 
 async def read_json(
-    request: web.Request, max_body_bytes: int, max_depth: int
+    request: web.Request, max_body_bytes: int, max_depth: int, timeout_s: float
 ) -> tuple[bytes, dict]:
-    """A request's body and its JSON object, or a 4xx ApiError."""
+    """A request's body and its JSON object, or a 4xx ApiError: 408 when the body takes
+    longer than `timeout_s` to arrive. An error that leaves the body unread says
+    `Connection: close`: the connection ends with it."""
     check_content_type(request.headers.get("Content-Type"))
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s",
+            code="request_timeout",
+            headers=CLOSE,
+        ) from None
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"request body exceeds {max_body_bytes} bytes") from None
     except web.RequestPayloadError as exc:  # a bad Content-Encoding or framing
         # aiohttp drops the connection after such a body: tell the client so.
         message = f"request body cannot be read: {str(exc).strip()}"
-        raise ApiError(400, message, headers={"Connection": "close"}) from None
+        raise ApiError(400, message, headers=CLOSE) from None
     return raw, loads(raw, max_depth)

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
-from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
+from quillcache_core.identity.tokenize import ModelTokenizer, TokenMemo, request_tokens
 from quillcache_core.launch import vllm_env
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.vllm_engine import free_port
@@ -240,12 +240,13 @@ def test_our_tokens_are_vllms_for_completions_and_chat(fleet):
         assert request_tokens("chat", case, ours) == theirs, case
     # A document asked about again: the second question reuses the first one's ids up to
     # where they part, and they are still vLLM's.
-    document, acme = text(5, 300), ours.scoped("acme")
+    document, acme = text(5, 300), ours.scoped(TokenMemo())
     for question in ("Who plans the cache?", "What do 42 stores keep, and why?"):
         case = {"messages": [{"role": "user", "content": f"{document}\n\n{question}"}]}
         body = {"model": BIG, "add_generation_prompt": True, **case}
         theirs = post(cluster, engine + "/tokenize", body)["tokens"]
         assert request_tokens("chat", case, acme) == theirs, question
+        acme.commit()
     assert ours.piece_counts["reused_chars"] >= len(document) - 20
 
 

@@ -109,7 +109,7 @@ def served(gw: Gateway, models: dict[str, str]) -> Gateway:
 def gateway_hashes(gw: Gateway, tenant: str, payload: dict, kind: str) -> tuple[list[str], object]:
     """The block hashes the gateway's own request path derives (parse, identity, hash)."""
     raw = json.dumps(payload).encode()
-    job = asyncio.run(gw._parse(raw, payload, kind, "acme"))
+    job = asyncio.run(gw._parse(raw, payload, kind, "acme", gw._fields(payload, kind)))
     ident = gw._identity(tenant, job.model, job.tokenizer_id)
     return ident.identity.hashes(job.tokens, 16), ident
 

@@ -52,7 +52,7 @@ def test_a_key_of_another_scope_is_never_taken_even_on_a_hash_collision():
     text = "x" * 100
     _keep(memo, "a", text, 1)
     # Every scope's chain made a's (a collision of the two chains): "b" still gets nothing.
-    memo.keys = lambda scope, seq: PrefixMemo.keys(memo, "a", seq)
+    memo.keys = lambda scope, seq, chunk=0: PrefixMemo.keys(memo, "a", seq, chunk)
     assert memo.lookup("b", text).payload is None
     assert memo.lookup("a", text).payload == 1
 
@@ -70,3 +70,17 @@ def test_bounded_and_an_evicted_sequence_is_never_proposed():
             assert found.payload == i
     with pytest.raises(ValueError):
         PrefixMemo(size=3, chunk=0)
+
+
+def test_bounded_in_bytes_and_a_sequence_too_large_alone_is_never_kept():
+    memo = PrefixMemo(size=1000, chunk=64, max_bytes=200_000)
+    for i in range(40):  # 40 texts of about 20 KB, each with a 10 KB payload
+        text = f"{i:08d}" + "x" * 20_000
+        memo.keep(memo.lookup("s", text), text, i, payload_bytes=10_000)
+        assert memo.nbytes <= 200_000
+    assert len(memo) >= 2  # the newest ones (each costs about 67 KB with its keys)
+    assert memo.lookup("s", "00000039" + "x" * 20_000).payload == 39
+    assert memo.lookup("s", "00000000" + "x" * 20_000).payload is None
+    huge = "y" * 300_000
+    memo.keep(memo.lookup("s", huge), huge, "huge")
+    assert memo.lookup("s", huge).payload is None and memo.nbytes <= 200_000

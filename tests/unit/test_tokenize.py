@@ -144,12 +144,12 @@ def rendered(model, chat: dict) -> str:
 
 
 def test_a_chat_s_long_pieces_keep_their_ids_within_a_tenant(tmp_path):
-    from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
+    from quillcache_core.identity.tokenize import ModelTokenizer, TokenMemo, request_tokens
 
     model = ModelTokenizer(chat_model_dir(tmp_path))
     whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     document = TEXT[:1500]
-    acme, globex = model.scoped("acme"), model.scoped("globex")
+    acme, globex = model.scoped(TokenMemo()), model.scoped(TokenMemo())
 
     def chat(question: str) -> dict:
         return {
@@ -161,6 +161,7 @@ def test_a_chat_s_long_pieces_keep_their_ids_within_a_tenant(tmp_path):
 
     for n, question in enumerate(["Who plans?", "What do stores keep?", "Tenants?"]):
         ids = request_tokens("chat", chat(question), acme)
+        acme.commit()
         assert ids == whole.encode(rendered(model, chat(question))).ids
         assert model.piece_counts["hits"] == n  # the document's ids, from the 2nd question on
     request_tokens("chat", chat("Who plans?"), globex)  # another tenant: tokenized anew
@@ -170,12 +171,12 @@ def test_a_chat_s_long_pieces_keep_their_ids_within_a_tenant(tmp_path):
 def test_piece_ids_are_not_reused_where_an_added_token_strips_its_neighbours(tmp_path):
     """An added token that eats the whitespace beside it joins its pieces' fates: such a
     tokenizer is always tokenized whole."""
-    from quillcache_core.identity.tokenize import ModelTokenizer, request_tokens
+    from quillcache_core.identity.tokenize import ModelTokenizer, TokenMemo, request_tokens
 
     model = ModelTokenizer(chat_model_dir(tmp_path, lstrip=True))
     whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     chat = {"messages": [{"role": "system", "content": TEXT[:1500] + "  "}]}
-    ids = request_tokens("chat", chat, model.scoped("acme"))
+    ids = request_tokens("chat", chat, model.scoped(TokenMemo()))
     assert ids == whole.encode(rendered(model, chat)).ids
     assert model.piece_counts == {}
 
@@ -187,7 +188,7 @@ def test_a_piece_cache_that_disagrees_with_a_whole_pass_turns_itself_off(tmp_pat
     whole = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     text = f"<|im_start|>system\n{TEXT[:1500]}<|im_end|>\n"
     model.encode(text)
-    for entry in model._pieces._memo._entries.values():  # a wrong entry
+    for entry in model._memo.texts._entries.values():  # a wrong entry
         ids = entry[3][0]
         ids[:] = [7] * len(ids)
     seen = [model.encode(text) for _ in range(tokenize.PIECE_CHECK_EVERY)]

@@ -11,6 +11,7 @@ from quillcache_core.identity.prefix_memo import common_prefix as _common_prefix
 from quillcache_core.identity.tokenize import (
     PREFIX_KEY_CHARS,
     BuiltinTokenizer,
+    TokenMemo,
 )
 
 pytestmark = pytest.mark.unit
@@ -54,14 +55,14 @@ def test_entries_are_bounded_and_the_callers_list_is_its_own():
     for text in texts:
         ids = cached.encode(text)
         ids.append(-1)  # the caller's to change
-    assert len(cached._recent) == 3
+    assert len(cached._memo.texts) == 3
     assert cached.encode(texts[-1]) == BuiltinTokenizer().encode(texts[-1])
 
 
 def test_short_texts_are_not_kept():
     cached = BuiltinTokenizer(prefix_cache=3)
     cached.encode("short text")
-    assert not cached._recent
+    assert not cached._memo.texts
 
 
 def test_common_prefix():
@@ -79,9 +80,12 @@ def test_reuse_stays_within_a_scope():
     """A tenant's prompt never reuses another tenant's recent text (no timing channel)."""
     cached = BuiltinTokenizer(prefix_cache=4)
     text = "the same long document " * 200
-    acme, globex = cached.scoped("acme"), cached.scoped("globex")
+    acme_memo, globex_memo = TokenMemo(), TokenMemo()
+    acme, globex = cached.scoped(acme_memo), cached.scoped(globex_memo)
     ids = acme.encode(text)
-    assert len(cached._recent) == 1
+    acme.commit()
+    assert len(acme_memo.texts) == 1
     assert globex.encode(text) == ids == BuiltinTokenizer().encode(text)
-    assert len(cached._recent) == 2  # globex's did not find acme's: one each
+    globex.commit()
+    assert len(globex_memo.texts) == 1  # globex's did not find acme's: one each
     assert acme.name == cached.name

@@ -6,7 +6,7 @@ import random
 import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from quillcache_core.identity.tokenize import PIECE_CHECK_EVERY, ModelTokenizer
+from quillcache_core.identity.tokenize import PIECE_CHECK_EVERY, ModelTokenizer, TokenMemo
 from tests.support.chatml import chatml_model_dir
 
 pytestmark = pytest.mark.unit
@@ -87,9 +87,10 @@ def test_reused_ids_are_a_whole_pass_s_wherever_prompts_part(tmp_path, kind):
         texts.append(
             f"<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
         )
-    scoped = model.scoped("acme")
+    scoped = model.scoped(TokenMemo())
     for text in texts:
         assert scoped.encode(text) == whole.encode(text, add_special_tokens=False).ids
+        scoped.commit()
     counts = model.piece_counts
     assert counts["mismatches"] == 0 and counts["checks"] == len(texts) // PIECE_CHECK_EVERY
     long_chars = sum(len(t) for t in texts if len(t) > 600)
@@ -101,12 +102,13 @@ def test_a_question_on_a_kept_document_tokenizes_only_what_follows_it(tmp_path):
     model = ModelTokenizer(directory)
     whole = Tokenizer.from_file(str(directory / "tokenizer.json"))
     doc = _text(random.Random(3), 300)
-    acme = model.scoped("acme")
+    acme = model.scoped(TokenMemo())
 
     def ask(question: str) -> str:
         return f"<|im_start|>user\nDocument:\n{doc}\n\nQuestion: {question}?<|im_end|>\n"
 
     acme.encode(ask("who plans the cache"))
+    acme.commit()
     before = model.piece_counts["reused_chars"]
     text = ask("what does the store keep")
     assert acme.encode(text) == whole.encode(text).ids
@@ -118,10 +120,13 @@ def test_one_tenant_never_reuses_another_s_pieces(tmp_path):
     directory = _model_dir(tmp_path, TOKENIZERS["gpt2-bytelevel"]())
     model = ModelTokenizer(directory)
     text = f"<|im_start|>user\n{_text(random.Random(4), 300)}<|im_end|>\n"
-    first = model.scoped("acme").encode(text)
+    acme, globex = TokenMemo(), TokenMemo()
+    view = model.scoped(acme)
+    first = view.encode(text)
+    view.commit()
     counts = dict(model.piece_counts)
-    assert model.scoped("globex").encode(text) == first
+    assert model.scoped(globex).encode(text) == first
     assert model.piece_counts["misses"] == counts["misses"] + 1
     assert model.piece_counts["reused_chars"] == counts["reused_chars"]
-    model.scoped("acme").encode(text)
+    model.scoped(acme).encode(text)
     assert model.piece_counts["hits"] == counts["hits"] + 1

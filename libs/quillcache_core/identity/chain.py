@@ -19,7 +19,12 @@ from dataclasses import dataclass
 from itertools import count, repeat
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.identity.hashing import ROOT_PARENT, RecentChains, block_hashes
+from quillcache_core.identity.hashing import (
+    ROOT_PARENT,
+    DeferredChains,
+    RecentChains,
+    block_hashes,
+)
 from quillcache_core.model import IdentityScope, KvBlockKey
 from quillcache_core.wire.plan import HASH_BYTES, unpack_hashes
 
@@ -113,7 +118,7 @@ class BlockChain:
         identity,
         tokens: Sequence[int],
         block_tokens: int,
-        recent: RecentChains | None = None,
+        recent: RecentChains | DeferredChains | None = None,
     ) -> tuple[BlockChain, list[str]]:
         """The chain of `tokens`' full blocks under a `BlockIdentity` (its digest keys
         the hashes), and its hex hashes; with `recent`, an opening shared with a recent

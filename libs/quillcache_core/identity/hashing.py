@@ -20,13 +20,14 @@ from collections.abc import Sequence
 from hashlib import blake2b
 
 from quillcache_core.errors import InvalidArgument
-from quillcache_core.identity.prefix_memo import PrefixMemo
+from quillcache_core.identity.prefix_memo import DEFAULT_MAX_BYTES, PrefixMemo
 
 ROOT_PARENT = "root"
 _ZERO = bytes(16)
 _DOMAIN = b"quillcache/v1/block"
 _BIG_ENDIAN = sys.byteorder == "big"
 _EMPTY = blake2b(digest_size=16)  # never updated: only copied
+DIGEST_BYTES = 8 + sys.getsizeof(bytes(16))  # a kept 16-byte digest and its list slot
 
 
 def identity_digest(
@@ -144,18 +145,44 @@ class RecentChains:
     chunks of its opening, takes its hashes for the whole blocks the two share and
     hashes only the rest (a document asked about again, a conversation's next turn among
     many that open with the same system prompt). The hashes are those of block_hashes: a
-    block's hash depends only on the identity and the tokens up to its end.
+    block's hash depends only on the identity and the tokens up to its end. At most
+    `max_bytes` are kept: the gateway gives each tenant its own.
     """
 
-    def __init__(self, size: int = 64, key_blocks: int = 32, chunk_bytes: int = 512) -> None:
+    def __init__(
+        self,
+        size: int = 64,
+        key_blocks: int = 32,
+        chunk_bytes: int = 512,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
         self.size = size
         self.key_blocks = key_blocks
-        self._recent = PrefixMemo(size, chunk_bytes)  # raw token bytes, with their digests
+        # raw token bytes, with their digests
+        self._recent = PrefixMemo(size, chunk_bytes, max_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """What the kept prompts cost (at most `max_bytes`)."""
+        return self._recent.nbytes
 
     def hashes(
         self, tokens: Sequence[int], block_size: int, identity: bytes
     ) -> tuple[list[str], bytes]:
         """(hex hashes, the same as 16-byte digests concatenated) of the full blocks."""
+        work = self.deferred()
+        found = work.hashes(tokens, block_size, identity)
+        work.commit()
+        return found
+
+    def deferred(self) -> DeferredChains:
+        """These chains for one request: what it would keep is kept by its `commit`
+        (the gateway's, once the request is admitted)."""
+        return DeferredChains(self)
+
+    def _hashes(
+        self, tokens: Sequence[int], block_size: int, identity: bytes, kept: list
+    ) -> tuple[list[str], bytes]:
         if block_size <= 0:
             raise InvalidArgument(f"block_size must be positive, got {block_size}")
         raw = _token_bytes(tokens)
@@ -171,5 +198,29 @@ class RecentChains:
             digests += _digests(
                 raw, same * step, full - same, step, identity, old[same - 1] if same else _ZERO
             )
-            self._recent.keep(found, raw, digests)
+            kept.append((found, raw, digests))
         return list(map(bytes.hex, digests)), b"".join(digests)
+
+    def _keep(self, kept: list) -> None:
+        for found, raw, digests in kept:
+            self._recent.keep(found, raw, digests, DIGEST_BYTES * len(digests))
+
+
+class DeferredChains:
+    """`RecentChains` for one request (`RecentChains.deferred`)."""
+
+    __slots__ = ("_chains", "_kept")
+
+    def __init__(self, chains: RecentChains) -> None:
+        self._chains = chains
+        self._kept: list = []  # (Lookup, token bytes, digests) to keep
+
+    def hashes(
+        self, tokens: Sequence[int], block_size: int, identity: bytes
+    ) -> tuple[list[str], bytes]:
+        """`RecentChains.hashes`, keeping nothing until `commit`."""
+        return self._chains._hashes(tokens, block_size, identity, self._kept)
+
+    def commit(self) -> None:
+        self._chains._keep(self._kept)
+        self._kept = []

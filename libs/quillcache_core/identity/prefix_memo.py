@@ -17,10 +17,16 @@ and `lookup` measures the opening the two really share (`common_prefix`), which 
 the caller reuses, so a hash collision costs time, never a wrong result. Keys live in
 this process only (Python's hash is seeded per process). A sequence kept after one it
 extends whole (a conversation's next turn) replaces it.
+
+A memo is bounded twice: at most `size` sequences and at most `max_bytes` (a kept
+sequence's text, its keys and what the caller says its payload costs); the oldest go
+first, and a sequence that alone costs more is not kept. Give each tenant its own memo:
+what one keeps then never decides what another finds, or how fast.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from itertools import count
 from typing import Any, NamedTuple
@@ -36,24 +42,34 @@ class Lookup(NamedTuple):
     extends: int | None  # its serial when the new sequence extends it whole
 
 
-class PrefixMemo:
-    """The last `size` sequences with a payload each (see the module's docstring)."""
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+KEY_BYTES = 120  # a chain key: its int, its place in the entry's list and in `_by_key`
+ENTRY_BYTES = 200  # an entry's tuple and its place in `_entries`
 
-    def __init__(self, size: int, chunk: int) -> None:
+
+class PrefixMemo:
+    """The last `size` sequences with a payload each, at most `max_bytes` in all (see the
+    module's docstring). Not thread-safe."""
+
+    def __init__(self, size: int, chunk: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if chunk <= 0:
             raise ValueError("chunk must be positive")
         self.size = size
         self.chunk = chunk
-        self._entries: OrderedDict[int, tuple[Any, list[int], Any, Any]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # what the kept entries cost, as `keep` counts it
+        # serial -> (scope, keys, sequence, payload, cost in bytes)
+        self._entries: OrderedDict[int, tuple[Any, list[int], Any, Any, int]] = OrderedDict()
         self._by_key: dict[int, int] = {}  # chain key -> the newest entry filed under it
         self._serials = count()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self, scope: Any, seq: str | bytes) -> list[int]:
-        """The chain keys of `seq`'s whole chunks (empty when it has none)."""
-        step = self.chunk
+    def keys(self, scope: Any, seq: str | bytes, chunk: int = 0) -> list[int]:
+        """The chain keys of `seq`'s whole chunks of `chunk` (default the memo's)
+        elements; empty when it has none."""
+        step = chunk or self.chunk
         key = hash(scope)
         out = []
         append = out.append
@@ -62,16 +78,17 @@ class PrefixMemo:
             append(key)
         return out
 
-    def lookup(self, scope: Any, seq: str | bytes) -> Lookup:
-        """The kept sequence of `scope` filed under the longest of `seq`'s chain keys,
+    def lookup(self, scope: Any, seq: str | bytes, chunk: int = 0) -> Lookup:
+        """The kept sequence of `scope` filed under the longest of `seq`'s chain keys
+        (by chunks of `chunk`, default the memo's: the same for a scope's every lookup),
         and the opening the two share."""
-        keys = self.keys(scope, seq)
+        keys = self.keys(scope, seq, chunk)
         by_key, entries = self._by_key, self._entries
         for key in reversed(keys):
             serial = by_key.get(key)
             if serial is None:
                 continue
-            kept_scope, _, kept, payload = entries[serial]
+            kept_scope, _, kept, payload, _ = entries[serial]
             if kept_scope != scope:
                 continue  # a collision of two scopes' keys
             entries.move_to_end(serial)
@@ -79,26 +96,30 @@ class PrefixMemo:
             return Lookup(scope, keys, shared, payload, serial if shared == len(kept) else None)
         return Lookup(scope, keys, 0, None, None)
 
-    def keep(self, found: Lookup, seq: Any, payload: Any) -> None:
-        """Keep `seq` (the sequence `found` was looked up for) with `payload`, in place
-        of the sequence found if `seq` extends it whole. The oldest entry goes beyond
-        `size`."""
-        if self.size <= 0 or not found.keys:
+    def keep(self, found: Lookup, seq: Any, payload: Any, payload_bytes: int = 0) -> None:
+        """Keep `seq` (the sequence `found` was looked up for) with `payload` (which
+        costs `payload_bytes`), in place of the sequence found if `seq` extends it
+        whole. The oldest entries go beyond `size` or `max_bytes`; a sequence costing
+        more than `max_bytes` alone is not kept."""
+        cost = sys.getsizeof(seq) + KEY_BYTES * len(found.keys) + ENTRY_BYTES + payload_bytes
+        if self.size <= 0 or not found.keys or cost > self.max_bytes:
             return
         if found.extends is not None:
             self._drop(found.extends)
         serial = next(self._serials)
-        self._entries[serial] = (found.scope, found.keys, seq, payload)
+        self._entries[serial] = (found.scope, found.keys, seq, payload, cost)
+        self.nbytes += cost
         by_key = self._by_key
         for key in found.keys:
             by_key[key] = serial
-        while len(self._entries) > self.size:
+        while len(self._entries) > self.size or self.nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
 
     def _drop(self, serial: int) -> None:
         entry = self._entries.pop(serial, None)
         if entry is None:
             return
+        self.nbytes -= entry[4]
         by_key = self._by_key
         for key in entry[1]:
             if by_key.get(key) == serial:

@@ -15,6 +15,12 @@ hashes never match what the engine caches. Three kinds of tokenizer:
 the last two, with the sim engine's ChatML-style rendering (`render_chat`) and no
 special tokens, are what the sim engine computes with the same settings.
 `request_tokens` applies the right rules to an OpenAI request body.
+
+What a tokenizer remembers to go faster (the built-in one's piece ids, recent long
+texts and pieces with their ids) lives in a `TokenMemo`, bounded in bytes. The gateway
+gives each tenant its own and tokenizes a request with `scoped(memo)`: what one tenant
+sent never changes what another's prompt finds, nor how fast it is tokenized; and what
+a request would add is kept only by the view's `commit`, once the request is admitted.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import copy
 import json
 import logging
 import re
+import sys
 from array import array
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
@@ -39,7 +46,8 @@ from quillcache_core.identity.prefix_memo import PrefixMemo
 logger = logging.getLogger(__name__)
 
 BUILTIN_VOCAB = 32_000
-BUILTIN_CACHE_PIECES = 200_000
+DEFAULT_MEMO_BYTES = 64 * 1024 * 1024
+WORD_BYTES = 104  # a kept piece's dict slot and id, beyond its str (sys.getsizeof)
 PREFIX_KEY_CHARS = 2048  # BuiltinTokenizer(prefix_cache): only texts longer are kept
 PREFIX_CHUNK_CHARS = 512  # and found by their whole chunks of this many characters
 _PIECES = re.compile(r"\s+|\w+|[^\w\s]", re.UNICODE)
@@ -52,17 +60,69 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
+class TokenizerView(Tokenizer, Protocol):
+    """A tokenizer for one request with a memo (`scoped`): `commit` keeps its work there."""
+
+    def commit(self) -> None: ...
+
+
+class TokenMemo:
+    """What tokenizing remembers, at most `max_bytes`: the built-in tokenizer's piece ids
+    (at most a quarter of it; cleared when full) and recent long texts with their ids
+    (`PrefixMemo`, at most `texts` of them: the built-in tokenizer's prompts, a Hugging
+    Face tokenizer's pieces). Not thread-safe."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MEMO_BYTES, texts: int = 64) -> None:
+        self.words: dict[str, int] = {}
+        self.words_bytes = 0
+        self.max_words_bytes = max_bytes // 4
+        self.texts = PrefixMemo(texts, PREFIX_CHUNK_CHARS, max_bytes - self.max_words_bytes)
+        self.piecewise = 0  # texts a Hugging Face tokenizer split here (every Nth is checked)
+
+    @property
+    def nbytes(self) -> int:
+        return self.words_bytes + self.texts.nbytes
+
+    def add_words(self, fresh: Mapping[str, int]) -> None:
+        cost = sum(map(sys.getsizeof, fresh)) + WORD_BYTES * len(fresh)
+        if self.words_bytes + cost > self.max_words_bytes:
+            self.words.clear()
+            self.words_bytes = 0
+        if cost <= self.max_words_bytes:
+            self.words.update(fresh)
+            self.words_bytes += cost
+
+
+class _Work:
+    """What tokenizing a request found worth keeping in `memo`, kept only by `commit`."""
+
+    __slots__ = ("memo", "words", "texts")
+
+    def __init__(self, memo: TokenMemo) -> None:
+        self.memo = memo
+        self.words: dict[str, int] = {}  # pieces the memo has no id for
+        self.texts: list[tuple] = []  # (Lookup, text, payload, payload bytes) to keep
+
+    def commit(self) -> None:
+        if self.words:
+            self.memo.add_words(self.words)
+        keep = self.memo.texts.keep
+        for found, text, payload, payload_bytes in self.texts:
+            keep(found, text, payload, payload_bytes)
+        self.words, self.texts = {}, []
+
+
 class BuiltinTokenizer:
     """Deterministic fallback: every word, space run and symbol is one token.
 
-    Piece ids are memoised in a dict (at most about BUILTIN_CACHE_PIECES entries), so
-    a prompt of known pieces costs one regex pass and one lookup per piece.
+    Piece ids are memoised (`TokenMemo.words`), so a prompt of known pieces costs one
+    regex pass and one lookup per piece.
 
-    With `prefix_cache` (the gateway's), the last texts longer than PREFIX_KEY_CHARS
-    characters are kept, at most that many (`PrefixMemo`, by whole chunks of
-    PREFIX_CHUNK_CHARS); a text is matched with the kept one sharing the most chunks of
-    its opening, reuses its ids up to the last piece that ends before where the two
-    texts differ and splits only the rest (a document asked about again, a
+    With a memo that keeps texts (`prefix_cache` for `encode`'s own; the gateway's
+    tenants' memos), texts longer than PREFIX_KEY_CHARS characters are kept (by whole
+    chunks of PREFIX_CHUNK_CHARS); a text is matched with the kept one sharing the most
+    chunks of its opening, reuses its ids up to the last piece that ends before where
+    the two texts differ and splits only the rest (a document asked about again, a
     conversation's next turn among many that open with the same system prompt). The
     ids are those of a full pass: a piece's extent depends only on its characters and
     the one after.
@@ -70,63 +130,70 @@ class BuiltinTokenizer:
 
     name = "builtin-v1"
 
-    def __init__(self, prefix_cache: int = 0) -> None:
-        self._ids: dict[str, int] = {}
-        self._prefix_cache = prefix_cache
-        # texts, each with (its ids, each piece's end)
-        self._recent = PrefixMemo(prefix_cache, PREFIX_CHUNK_CHARS)
+    def __init__(self, prefix_cache: int = 0, memo_bytes: int = DEFAULT_MEMO_BYTES) -> None:
+        self._memo = TokenMemo(memo_bytes, prefix_cache)  # `encode`'s own
 
     def encode(self, text: str) -> list[int]:
-        return self.encode_in(text, "")
+        work = _Work(self._memo)
+        ids = self.encode_with(text, work)
+        work.commit()
+        return ids
 
-    def encode_in(self, text: str, scope: str) -> list[int]:
-        """`encode`, reusing only texts encoded in the same `scope` (the gateway's tenant:
-        how fast a prompt is tokenized never tells one tenant what another sent)."""
-        if self._prefix_cache and len(text) > PREFIX_KEY_CHARS:
-            return self._encode_reusing(text, scope)
-        return self._encode_pieces(_PIECES.findall(text))
+    def scoped(self, memo: TokenMemo) -> _Scoped:
+        """This tokenizer for one request, with `memo` (a tenant's)."""
+        return _Scoped(self, memo)
 
-    def scoped(self, scope: str) -> _Scoped:
-        """This tokenizer as a Tokenizer whose reuse is limited to `scope`."""
-        return _Scoped(self, scope)
+    def encode_with(self, text: str, work: _Work) -> list[int]:
+        """`encode` with `work.memo`; what it would keep goes to `work`."""
+        if work.memo.texts.size and len(text) > PREFIX_KEY_CHARS:
+            return self._encode_reusing(text, work)
+        return _encode_pieces(_PIECES.findall(text), work)
 
-    def _encode_pieces(self, pieces: list[str]) -> list[int]:
-        ids = self._ids
-        try:
-            return list(map(ids.__getitem__, pieces))
-        except KeyError:
-            if len(ids) >= BUILTIN_CACHE_PIECES:
-                ids.clear()
-            for piece in pieces:
-                if piece not in ids:
-                    ids[piece] = _piece_id(piece)
-            return list(map(ids.__getitem__, pieces))
-
-    def _encode_reusing(self, text: str, scope: str) -> list[int]:
-        found = self._recent.lookup(scope, text)
-        old_ids, old_ends = found.payload or ([], [])  # those of the kept text it opens like
+    def _encode_reusing(self, text: str, work: _Work) -> list[int]:
+        found = work.memo.texts.lookup(self.name, text)
+        # The ids and each piece's end of the kept text it opens like, 4 bytes each.
+        old_ids, old_ends = found.payload or (_NO_INTS, _NO_INTS)
         # Pieces ending before the first difference are the same in both texts.
         kept = bisect_left(old_ends, found.shared)
         start = old_ends[kept - 1] if kept else 0
         pieces = _PIECES.findall(text, start)
         ids = old_ids[:kept]
-        ids += self._encode_pieces(pieces)
+        ids.extend(_encode_pieces(pieces, work))
         ends = old_ends[:kept]
-        ends += islice(accumulate(map(len, pieces), initial=start), 1, None)
-        self._recent.keep(found, text, (ids, ends))
-        return ids[:]  # the caller's own list: the kept one stays as it is
+        ends.extend(islice(accumulate(map(len, pieces), initial=start), 1, None))
+        work.texts.append((found, text, (ids, ends), 4 * (len(ids) + len(ends))))
+        return ids.tolist()
+
+
+_NO_INTS = array("I")
+
+
+def _encode_pieces(pieces: list[str], work: _Work) -> list[int]:
+    known = work.memo.words
+    try:
+        return list(map(known.__getitem__, pieces))
+    except KeyError:
+        fresh = work.words
+        for piece in pieces:
+            if piece not in known and piece not in fresh:
+                fresh[piece] = _piece_id(piece)
+        return [known[p] if p in known else fresh[p] for p in pieces]
 
 
 class _Scoped:
-    """A BuiltinTokenizer whose prefix reuse is limited to one scope (BuiltinTokenizer.scoped)."""
+    """A BuiltinTokenizer working with one memo for one request (BuiltinTokenizer.scoped):
+    what it would keep is kept by `commit`."""
 
-    __slots__ = ("_tokenizer", "_scope", "name")
+    __slots__ = ("_tokenizer", "_work", "name")
 
-    def __init__(self, tokenizer: BuiltinTokenizer, scope: str) -> None:
-        self._tokenizer, self._scope, self.name = tokenizer, scope, tokenizer.name
+    def __init__(self, tokenizer: BuiltinTokenizer, memo: TokenMemo) -> None:
+        self._tokenizer, self._work, self.name = tokenizer, _Work(memo), tokenizer.name
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode_in(text, self._scope)
+        return self._tokenizer.encode_with(text, self._work)
+
+    def commit(self) -> None:
+        self._work.commit()
 
 
 def _piece_id(piece: str) -> int:
@@ -138,8 +205,8 @@ class HfTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json (no special tokens added by default).
 
     A long text piece between added tokens (a chat template's `<|im_start|>`) reuses
-    the ids of a kept piece it opens like (`_PieceCache`), within one scope (`scoped`:
-    the gateway's tenant).
+    the ids of a kept piece it opens like (`_PieceCache`), kept in `encode`'s own memo
+    or, with `scoped`, in the memo given (the gateway's tenant's).
     """
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
@@ -150,21 +217,32 @@ class HfTokenizer:
         except Exception as exc:  # noqa: BLE001 - the library raises plain Exception
             raise InvalidArgument(f"cannot load tokenizer {path}: {exc}") from None
         self.name = name or Path(path).stem
-        self._scope = ""
         self._pieces = _PieceCache.of(Path(path))
+        self._memo = TokenMemo(texts=PIECE_ENTRIES)  # `encode`'s own
+        self._work: _Work | None = None  # a view's (`scoped`)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         pieces = self._pieces
         if add_special_tokens or pieces is None or len(text) < PIECE_CHARS or not pieces.on:
             return _encode(self._tok, text, add_special_tokens)
-        return pieces.encode(self._tok, text, self._scope)
+        if self._work is not None:
+            return pieces.encode(self._tok, text, self._work)
+        work = _Work(self._memo)
+        ids = pieces.encode(self._tok, text, work)
+        work.commit()
+        return ids
 
-    def scoped(self, scope: str):
-        """This tokenizer, its pieces' ids reused only within `scope` (how fast a prompt
-        is tokenized never tells one tenant what another sent)."""
+    def scoped(self, memo: TokenMemo):
+        """This tokenizer for one request, its pieces' ids reused from and kept (by
+        `commit`) in `memo` only (a tenant's)."""
         view = copy.copy(self)
-        view._scope = scope
+        view._work = _Work(memo)
         return view
+
+    def commit(self) -> None:
+        """Keep what a view (`scoped`) tokenized in its memo."""
+        if self._work is not None:
+            self._work.commit()
 
     @property
     def piece_counts(self) -> dict[str, int]:
@@ -179,17 +257,18 @@ PIECE_ENTRIES = 512
 PIECE_CHECK_EVERY = 64
 # A kept piece is found by its whole chunks of this many characters (`PrefixMemo`).
 PIECE_CHUNK_CHARS = 256
+PIECE_ID_BYTES = 36  # a kept id: its list slot and int
 _first = itemgetter(0)
 _CUT_AFTER = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
 
 
 class _PieceCache:
-    """Ids of long text pieces between added tokens, reused by (scope, opening).
+    """Ids of long text pieces between added tokens, reused by (memo, opening).
 
     `tokenizers` splits a text at its added tokens (leftmost-longest) before it
     normalizes, pre-tokenizes and merges each piece alone, so a text's ids are the ids
     of its pieces and added tokens in order. A long piece is matched with the kept piece
-    of the same scope that shares the most of its opening (`PrefixMemo`: a document
+    of the same memo that shares the most of its opening (`PrefixMemo`: a document
     asked about again with another question, a conversation's earlier turns) and reuses
     its ids up to the last cut before where the two differ; only the rest is tokenized.
 
@@ -204,15 +283,14 @@ class _PieceCache:
 
     That holds for the tokenizers `of` accepts (no normalizer, no Metaspace
     pre-tokenizer, whose "first" prepend depends on the piece's place, no added token
-    that strips or matches whole words only); every PIECE_CHECK_EVERY'th text is also
-    tokenized whole, and a difference turns the cache off for good
-    (`counts["mismatches"]`).
+    that strips or matches whole words only); every PIECE_CHECK_EVERY'th text of a memo
+    is also tokenized whole, and a difference turns the cache off for good
+    (`counts["mismatches"]`). Pieces are kept in the memo of the `_Work` given, under
+    this cache as their scope: piece -> (its ids, where each of its tokens starts).
     """
 
     def __init__(self, split: re.Pattern) -> None:
         self._split = split
-        # piece -> (its ids, where each of its tokens starts)
-        self._memo = PrefixMemo(PIECE_ENTRIES, PIECE_CHUNK_CHARS)
         self.on = True
         self.counts = {
             "texts": 0,
@@ -240,7 +318,7 @@ class _PieceCache:
         contents = sorted({t["content"] for t in added if t.get("content")}, key=len, reverse=True)
         return cls(re.compile("(" + "|".join(map(re.escape, contents)) + ")"))
 
-    def encode(self, tok, text: str, scope: str) -> list[int]:
+    def encode(self, tok, text: str, work: _Work) -> list[int]:
         counts = self.counts
         ids: list[int] = []
         run: list[str] = []  # short pieces and added tokens, tokenized together
@@ -251,27 +329,28 @@ class _PieceCache:
             if run:
                 ids += _encode(tok, "".join(run), False)
                 run = []
-            ids += self._piece(tok, part, scope)
+            ids += self._piece(tok, part, work)
         if run:
             ids += _encode(tok, "".join(run), False)
         counts["texts"] += 1
-        if counts["texts"] % PIECE_CHECK_EVERY == 0:
+        work.memo.piecewise += 1  # the memo's own count: another tenant's never matters
+        if work.memo.piecewise % PIECE_CHECK_EVERY == 0:
             counts["checks"] += 1
             whole = _encode(tok, text, False)
             if whole != ids:
                 counts["mismatches"] += 1
                 self.on = False
-                self._memo = PrefixMemo(0, PIECE_CHUNK_CHARS)
+                work.texts.clear()
                 logger.error("piece-wise token ids differ from a whole pass: piece reuse off")
                 return whole
         return ids
 
-    def _piece(self, tok, piece: str, scope: str) -> list[int]:
+    def _piece(self, tok, piece: str, work: _Work) -> list[int]:
         """`piece`'s ids: those of the kept piece it opens like, up to the last cut
         before their first difference (all of them for the same piece again), then the
         rest's. The token starts are kept as an array of 4-byte integers (a list costs
         36 bytes an int)."""
-        found = self._memo.lookup(scope, piece)
+        found = work.memo.texts.lookup(self, piece, PIECE_CHUNK_CHARS)
         if found.payload is None:
             start = 0
         elif found.extends is not None and found.shared == len(piece):
@@ -292,7 +371,9 @@ class _PieceCache:
             ids, starts = whole.ids, array("I", map(_first, whole.offsets))
         self.counts["hits" if start else "misses"] += 1
         self.counts["reused_chars"] += start
-        self._memo.keep(found, piece, (ids, starts))
+        work.texts.append(
+            (found, piece, (ids, starts), PIECE_ID_BYTES * len(ids) + 4 * len(starts))
+        )
         return ids  # the kept list itself: the caller copies it into its own
 
 
