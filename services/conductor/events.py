@@ -5,6 +5,15 @@ as a gRPC KvEventBatch; both go through the engine's translator, which maps the
 engine's opaque hashes to ours. Store nodes' events carry our own hashes and keys
 and are applied directly. A bad event is counted (engine, reason) on /metrics and
 logged; the other events of its batch still apply.
+
+Who may report what over gRPC (`check_source`). Stores report their own residency
+(`store` certificates, source "store", their node id); engines publish over ZMQ, taken
+from the sockets their own registry records name, and no engine calls IngestKvEvents,
+so a gRPC batch of engine events is taken only from that engine's own certificate (one
+naming it as its instance). A certificate naming an instance speaks for that node alone;
+a store certificate of the whole role (`quillcache certs`) for any store node. Either
+way only for a node the registry lists. A batch that fails is refused whole and
+counted (`kv_event_batches_refused_total{source,reason}`).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import logging
 from quillcache.v1 import conductor_pb2
 from quillcache_conductor.state import ConductorState
 from quillcache_conductor.zmq_sub import EngineSubscriber
-from quillcache_core.errors import InvalidArgument
+from quillcache_core.errors import InvalidArgument, NotFound, QuillCacheError
 from quillcache_core.identity.keys import identity_tokenizer
 from quillcache_core.kvevents.bulk import BulkBatch
 from quillcache_core.kvevents.events import (
@@ -30,10 +39,15 @@ from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.model import CacheTier, IdentityScope
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord
+from quillcache_core.security.tls import PeerIdentity
 
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK_SIZE = 4096
+
+
+class SourceRefused(QuillCacheError):
+    """The caller may not report this batch's events (PERMISSION_DENIED)."""
 
 
 class EventRouter:
@@ -53,6 +67,11 @@ class EventRouter:
         )
         self.batches = metrics.counter(
             "kv_event_batches_total", "KV event batches received", ["via"]
+        )
+        self.refused = metrics.counter(
+            "kv_event_batches_refused_total",
+            "gRPC KV event batches refused whole, by the kind of node they claim and reason",
+            ["source", "reason"],
         )
         metrics.gauge(
             "kv_subscribers",
@@ -194,19 +213,37 @@ class EventRouter:
 
     # --- gRPC ingest ------------------------------------------------------------------
 
-    def ingest_proto(self, batch: conductor_pb2.KvEventBatch) -> tuple[int, list[EventError]]:
-        """Apply a gRPC KvEventBatch; returns (applied, rejected events)."""
-        self.batches.inc(via="grpc")
-        if batch.source_kind == "store":
-            applied, errors = self._store_batch(batch)
-            source = "store"
-        elif batch.source_kind in ("", "engine"):
-            applied, errors = self._engine_batch(batch)
-            source = "engine"
+    def check_source(self, batch: conductor_pb2.KvEventBatch, caller: PeerIdentity) -> None:
+        """Raise SourceRefused unless `caller` may report `batch` (see the module doc);
+        counted. The node's registration is `ingest_proto`'s check."""
+        source = _source(batch)
+        node = batch.engine_id
+        if caller.role != source:
+            reason, detail = "role", f"a {caller.role} certificate may not report {source} events"
+        elif caller.instance and caller.instance != node:
+            reason, detail = "other_instance", f"{caller.instance} may not report for {node!r}"
+        elif source == "engine" and not caller.instance:
+            reason, detail = "no_instance", f"only engine {node!r}'s own certificate may"
         else:
-            raise InvalidArgument(
-                f"source_kind must be 'engine' or 'store', got {batch.source_kind!r}"
-            )
+            return
+        self.batches.inc(via="grpc")
+        self.refused.inc(source=source, reason=reason)
+        logger.warning("refused a KV event batch for %r from %s: %s", node, caller, detail)
+        raise SourceRefused(detail)
+
+    def ingest_proto(self, batch: conductor_pb2.KvEventBatch) -> tuple[int, list[EventError]]:
+        """Apply a gRPC KvEventBatch; returns (applied, rejected events). NotFound,
+        nothing applied, for a node the registry does not list."""
+        self.batches.inc(via="grpc")
+        source = _source(batch)
+        nodes = self.state.stores if source == "store" else self.state.engines
+        if batch.engine_id not in nodes:
+            self.refused.inc(source=source, reason="unregistered")
+            raise NotFound(f"{source} {batch.engine_id!r} is not registered")
+        if source == "store":
+            applied, errors = self._store_batch(batch)
+        else:
+            applied, errors = self._engine_batch(batch)
         self.applied.inc(applied, source=source)
         for error in errors:
             self._reject(batch.engine_id, error, batch.sequence)
@@ -229,8 +266,6 @@ class EventRouter:
 
     def _store_batch(self, batch) -> tuple[int, list[EventError]]:
         node = batch.engine_id
-        if node not in self.state.stores:
-            raise InvalidArgument(f"store node {node!r} is not registered")
         applied = 0
         errors: list[EventError] = []
         for index, event in enumerate(batch.events):
@@ -265,6 +300,13 @@ class EventRouter:
             except InvalidArgument as exc:
                 errors.append(EventError(index, "bad_event", str(exc)))
         return applied, errors
+
+
+def _source(batch) -> str:
+    """The kind of node a batch reports for: "engine" (the default) or "store"."""
+    if batch.source_kind not in ("", "engine", "store"):
+        raise InvalidArgument(f"source_kind must be 'engine' or 'store', got {batch.source_kind!r}")
+    return batch.source_kind or "engine"
 
 
 def _scope(identity) -> IdentityScope:

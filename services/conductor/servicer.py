@@ -9,7 +9,7 @@ import time
 import grpc
 
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from quillcache_conductor.events import EventRouter
+from quillcache_conductor.events import EventRouter, SourceRefused
 from quillcache_conductor.split import plan_split, transfer_measured
 from quillcache_conductor.state import ConductorState, publishes_events
 from quillcache_core.errors import InvalidArgument, QuillCacheError
@@ -17,6 +17,7 @@ from quillcache_core.identity.chain import BlockChain, chain_keys
 from quillcache_core.model import IdentityScope, KvBlockKey, RequestShape, SloTarget
 from quillcache_core.routing.actions import ActionKind, action_runs
 from quillcache_core.rpc.server import status_for, unary_errors
+from quillcache_core.security.tls import peer_identity
 from quillcache_core.wire.plan import digest_count
 from quillcache_core.wire.tiers import TIER_TO_PROTO
 
@@ -370,6 +371,12 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     async def IngestKvEvents(self, request, context):
         if not request.engine_id:
             raise InvalidArgument("engine_id is required")
+        caller = peer_identity(context)
+        if caller is not None:  # None: a plaintext (--insecure) conductor
+            try:
+                self.events.check_source(request, caller)
+            except SourceRefused as exc:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         applied, errors = self.events.ingest_proto(request)
         return conductor_pb2.IngestResponse(
             applied=applied,

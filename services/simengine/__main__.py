@@ -13,7 +13,8 @@ DESCRIPTION = (
     "QuillCache sim engine: an OpenAI-compatible stand-in for vLLM with a paged KV cache "
     "(LRU), simulated prefill/decode time, vLLM KV events over ZMQ, offload of evicted "
     "blocks to a store node and FETCH from it. Prints 'READY sim-engine http=URL "
-    "kv_events=tcp://HOST:PORT replay=tcp://HOST:PORT metrics=URL' when serving."
+    "kv_events=ENDPOINT replay=ENDPOINT metrics=URL' when serving (tcp://HOST:PORT, or "
+    "ipc://DIR/NODE-events and -replay with --kv-events-dir)."
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from quillcache_core.errors import InvalidArgument
@@ -11,6 +12,8 @@ from quillcache_core.security.tls import TlsSettings
 
 _COST = CostModel()
 STORE_WRITES = ("computed", "evicted", "none")
+# The longest path of a unix socket (sockaddr_un.sun_path, less its terminating NUL).
+MAX_SOCKET_PATH = 107
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,11 @@ class SimEngineConfig(TlsSettings):
     )
     kv_events_port: int = opt(0, "ZMQ PUB port of the KV events (0 = a free port)")
     kv_replay_port: int = opt(0, "ZMQ ROUTER port of the KV event replay (0 = a free port)")
+    kv_events_dir: str = opt(
+        "",
+        "unix sockets DIR/<node-id>-events and -replay for the KV events instead of TCP "
+        "ports; DIR is made mode 0700 and must be only this user's ('' = TCP on --host)",
+    )
     event_encoding: str = opt(
         "array", "KV event encoding, as vLLM releases differ", choices=("array", "map")
     )
@@ -116,6 +124,18 @@ class SimEngineConfig(TlsSettings):
             raise InvalidArgument("--node-id must be non-empty and contain no '/'")
         if not self.model:
             raise InvalidArgument("--model must be non-empty")
+        if self.kv_events_dir:
+            if self.kv_events_port or self.kv_replay_port:
+                raise InvalidArgument(
+                    "--kv-events-dir puts the KV events on unix sockets: "
+                    "no --kv-events-port or --kv-replay-port with it"
+                )
+            longest = os.path.join(os.path.abspath(self.kv_events_dir), f"{self.node_id}-replay")
+            if len(longest.encode()) > MAX_SOCKET_PATH:
+                raise InvalidArgument(
+                    f"--kv-events-dir: the socket {longest} is longer than a unix socket's "
+                    f"{MAX_SOCKET_PATH} bytes; pick a shorter directory"
+                )
 
     @property
     def public_host(self) -> str:

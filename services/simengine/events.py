@@ -9,6 +9,10 @@ batch `{"ts", "events", "data_parallel_rank"}`: both are in the wild.
 8-byte big-endian sequence from 0, msgpack payload) and a ROUTER replay socket that
 answers a start sequence (8-byte BE) with (topic, seq, payload) for every buffered batch
 at or after it, then (b"", -1 as signed 8-byte BE, b""), as vLLM's does.
+
+ZMQ sockets have no authentication and the events carry every tenant's token ids and
+cache salt, so given a directory the sockets are unix-domain ones in it (`ipc://`), the
+directory mode 0700: only this user's processes can connect. TCP only without one.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -124,7 +130,9 @@ def stored_runs(blocks: Sequence[CachedBlock]) -> list[list[CachedBlock]]:
 
 
 class KvEventPublisher:
-    """PUB + ROUTER replay on `host`. Call `start` in the event loop, `close` at the end.
+    """PUB + ROUTER replay on `host` (TCP), or with `ipc_dir` the unix sockets
+    `<ipc_dir>/<ipc_name>-events` and `-replay` (`private_dir`). Call `start` in the
+    event loop, `close` at the end.
 
     `publish` never blocks: a PUB socket drops messages for a slow subscriber (which
     then sees a gap and replays)."""
@@ -139,12 +147,15 @@ class KvEventPublisher:
         buffer_batches: int = 10_000,
         topic: bytes = b"",
         dp_rank: int = 0,
+        ipc_dir: str = "",
+        ipc_name: str = "engine",
     ) -> None:
         self.encoding = _check_encoding(encoding)
         self.topic = topic
         self.dp_rank = dp_rank
         self._host = host
         self._ports = (pub_port, replay_port)
+        self._ipc = (ipc_dir, ipc_name)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._next_seq = 0
         self._ctx: zmq.Context | None = None
@@ -168,12 +179,13 @@ class KvEventPublisher:
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
-        pub.bind(_bind_address(self._host, self._ports[0]))
+        binds = self._binds()
+        pub.bind(binds[0])
         self._pub = pub
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         router = self._actx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.bind(_bind_address(self._host, self._ports[1]))
+        router.bind(binds[1])
         self._router = router
         self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._task = asyncio.get_running_loop().create_task(
@@ -181,8 +193,16 @@ class KvEventPublisher:
         )
         log.info("KV events on %s (replay %s, %s encoding)", *self.endpoints(), self.encoding)
 
+    def _binds(self) -> tuple[str, str]:
+        ipc_dir, name = self._ipc
+        if ipc_dir:
+            base = private_dir(ipc_dir)
+            return f"ipc://{base}/{name}-events", f"ipc://{base}/{name}-replay"
+        pub_port, replay_port = self._ports
+        return _bind_address(self._host, pub_port), _bind_address(self._host, replay_port)
+
     def endpoints(self, advertise_host: str | None = None) -> tuple[str, str]:
-        """(events, replay) endpoints, with the host replaced by `advertise_host`."""
+        """(events, replay) endpoints, a TCP one's host replaced by `advertise_host`."""
         if advertise_host is None:
             return self.endpoint, self.replay_endpoint
         return _with_host(self.endpoint, advertise_host), _with_host(
@@ -254,11 +274,27 @@ class KvEventPublisher:
         self._ctx = self._actx = None
 
 
+def private_dir(path: str) -> Path:
+    """`path` as a directory only this user may open: made mode 0700 if missing;
+    InvalidArgument if it is another user's or open to group or others."""
+    base = Path(path).absolute()
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    mode = base.stat()
+    if mode.st_uid != os.getuid() or mode.st_mode & 0o077:
+        raise InvalidArgument(
+            f"KV event socket directory {base} must be this user's, mode 0700 "
+            f"(it is {mode.st_mode & 0o777:o}, uid {mode.st_uid})"
+        )
+    return base
+
+
 def _bind_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}" if port else f"tcp://{host}:*"
 
 
 def _with_host(endpoint: str, host: str) -> str:
     scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return endpoint  # a unix socket has no host
     _old, _, port = rest.rpartition(":")
     return f"{scheme}://{host}:{port}"

@@ -99,6 +99,8 @@ class SimEngineServer:
             replay_port=config.kv_replay_port,
             encoding=config.event_encoding,
             buffer_batches=config.kv_events_buffer,
+            ipc_dir=config.kv_events_dir,
+            ipc_name=config.node_id,
         )
         self.mover = BlockMover(
             own_address=config.store,

@@ -15,6 +15,11 @@ Layout of DIR::
 
 Run again on the same DIR it keeps what is there and adds what is missing, so a
 cluster's certificates survive restarts.
+
+One process's own credentials (`make_instance_credentials`): a directory with only
+`ca.pem`, its role's pair under the usual names and the secrets its role reads, the
+certificate naming the process as well as its role: common name the role, plus the
+URI `quillcache://<role>/<instance>` (`instance_uri`), which `tls.peer_identity` reads.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import datetime
 import ipaddress
 import os
+import re
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,6 +45,10 @@ SERVER_NAME = "quillcache"
 TENANT_SECRET = "tenant-secret"
 ENGINE_KEY = "engine-api-key"
 VALID_DAYS = 365
+# What a process of a role reads beside its pair and the CA certificate.
+ROLE_SECRETS = {"gateway": (TENANT_SECRET, ENGINE_KEY), "engine": (ENGINE_KEY,)}
+INSTANCE_SCHEME = "quillcache"
+_INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def _name(common_name: str) -> x509.Name:
@@ -113,9 +123,10 @@ def _role_cert(
     hosts: Iterable[str],
     ca_cert: x509.Certificate,
     ca_key: ec.EllipticCurvePrivateKey,
+    uris: Iterable[str] = (),
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
-    names: list[x509.GeneralName] = []
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri) for uri in uris]
     seen: set[str] = set()
     for host in (SERVER_NAME, "localhost", role, "127.0.0.1", *hosts):
         if not host or host in seen:
@@ -170,6 +181,43 @@ def make_certs(
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_secret(out / TENANT_SECRET)
     _write_secret(out / ENGINE_KEY)
+    return out
+
+
+def instance_uri(role: str, instance: str) -> str:
+    """The URI a process's own certificate carries: `quillcache://<role>/<instance>`."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+    if not _INSTANCE_NAME.fullmatch(instance):
+        raise ValueError(f"instance name {instance!r}: letters, digits, '.', '_', '-' only")
+    return f"{INSTANCE_SCHEME}://{role}/{instance}"
+
+
+def make_instance_credentials(
+    certs: Path | str, directory: Path | str, role: str, instance: str
+) -> Path:
+    """Write one process's credential directory from the cluster's `certs` (made by
+    `make_certs`): `ca.pem`, a pair of its own as `<role>.pem` and `<role>-key.pem`
+    naming `instance` (`instance_uri`), and the secrets of ROLE_SECRETS[role]; never
+    the CA key, never another pair. Kept while its CA is the cluster's; returns the
+    directory, what the process gets as `--tls-dir`."""
+    source, out = Path(certs), Path(directory)
+    uri = instance_uri(role, instance)
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    ca_pem = (source / "ca.pem").read_bytes()
+    cert_path, key_path = out / f"{role}.pem", out / f"{role}-key.pem"
+    current = (out / "ca.pem").is_file() and (out / "ca.pem").read_bytes() == ca_pem
+    if not (current and cert_path.is_file() and key_path.is_file()):
+        ca_cert, ca_key = _load_or_make_ca(source)
+        cert, key = _role_cert(role, (), ca_cert, ca_key, uris=(uri,))
+        _write_key(key_path, key)
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (out / "ca.pem").write_bytes(ca_pem)
+    for name in ROLE_SECRETS.get(role, ()):
+        fd = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as secret:
+            secret.write((source / name).read_bytes())
     return out
 
 

@@ -3,7 +3,8 @@ certificate directory or an endpoints file into TLS settings, contexts and flags
 
 `quillcache up` (and `LocalCluster.start`) write the operator's certificate under the
 endpoints' "tls" entry; tenants have their API keys and the CA to verify the gateway
-by. A process started by hand gets `--tls-dir` (or `--insecure` in development).
+by. A process started by hand gets `--tls-dir` (or `--insecure` in development); one a
+cluster starts gets a directory of its own (`process_security_args`).
 Every helper gives None (or no credential) for an insecure cluster."""
 
 from __future__ import annotations
@@ -11,12 +12,36 @@ from __future__ import annotations
 import ssl
 from pathlib import Path
 
+from quillcache_core.security.certs import make_instance_credentials
 from quillcache_core.security.tls import Tls
+
+# The role each `quillcache <service>` process presents.
+SERVICE_ROLES = {
+    "gateway": "gateway",
+    "conductor": "conductor",
+    "store": "store",
+    "transfer": "transfer",
+    "sim-engine": "engine",
+    "register-engine": "engine",
+}
 
 
 def security_args(certs: Path | None) -> list[str]:
     """The flags every `quillcache <service>` process needs."""
     return ["--insecure"] if certs is None else ["--tls-dir", str(certs)]
+
+
+def process_security_args(
+    certs: Path | None, directory: Path, service: str, instance: str
+) -> list[str]:
+    """The flags of one process of a cluster whose certificates are in `certs`:
+    `--tls-dir` its own credential directory, `directory` (made from `certs`: its
+    role's pair naming `instance`, the CA certificate, its role's secrets; see
+    `certs.make_instance_credentials`), or `--insecure` when `certs` is None."""
+    if certs is None:
+        return ["--insecure"]
+    own = make_instance_credentials(certs, directory, SERVICE_ROLES[service], instance)
+    return ["--tls-dir", str(own)]
 
 
 def role_tls(certs: Path | None, role: str) -> Tls | None:

@@ -5,8 +5,10 @@ its role: `Tls.from_dir(dir, role)` reads `ca.pem`, `<role>.pem` and `<role>-key
 `Tls` is None in `--insecure` mode, and every helper here then gives plaintext.
 
 Servers demand a client certificate signed by the CA; the caller's role is its
-certificate's common name (`peer_role`). Clients verify the server's certificate
-against the CA under the name `quillcache`, which every certificate carries.
+certificate's common name (`peer_role`), and a process's own certificate also names the
+process (`peer_identity`: the URI `quillcache://<role>/<instance>`). Clients verify
+the server's certificate against the CA under the name `quillcache`, which every
+certificate carries.
 """
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.process.settings import opt
-from quillcache_core.security.certs import ENGINE_KEY, ROLES, SERVER_NAME, TENANT_SECRET
+from quillcache_core.security.certs import (
+    ENGINE_KEY,
+    INSTANCE_SCHEME,
+    ROLES,
+    SERVER_NAME,
+    TENANT_SECRET,
+)
 
 
 @dataclass(frozen=True)
@@ -165,4 +174,35 @@ def peer_role(context) -> str | None:
     if not names:
         return None
     value = names[0]
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class PeerIdentity(NamedTuple):
+    """Who a call comes from: its certificate's role, and the process it names ("" for
+    a certificate of the whole role, as `quillcache certs` makes)."""
+
+    role: str
+    instance: str
+
+
+def peer_identity(context) -> PeerIdentity | None:
+    """The (role, instance) of a gRPC call's client; None on a plaintext server.
+
+    The instance is the `quillcache://<role>/<instance>` URI of the certificate whose
+    role is its common name; a certificate with none, or with several, names no
+    instance."""
+    try:
+        auth = context.auth_context()
+    except Exception:  # noqa: BLE001 - an insecure server has no auth context
+        return None
+    names = auth.get("x509_common_name")
+    if not names:
+        return None
+    role = _text(names[0])
+    prefix = f"{INSTANCE_SCHEME}://{role}/"
+    named = [u[len(prefix) :] for u in map(_text, auth.get("peer_uri", ())) if u.startswith(prefix)]
+    return PeerIdentity(role, named[0] if len(named) == 1 and named[0] else "")
+
+
+def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
