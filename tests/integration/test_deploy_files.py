@@ -49,9 +49,11 @@ COMPOSE_SERVICES = {
     "engine-1": "sim-engine",
     "gateway": "gateway",
 }
-# One-shot compose services (exit 0, then the others start): the certificates and
-# etcd's users and roles.
-COMPOSE_ONE_SHOTS = {"certs": "certs", "etcd-auth": None}
+# One-shot compose services (exit 0, then the others start): the certificates, each
+# role's credentials (and the generated API keys), and etcd's users and roles.
+COMPOSE_ONE_SHOTS = {"certs": "certs", "credentials": None, "etcd-auth": None}
+# What k8s/create-secrets.sh generates: Secret -> its key.
+SECRETS_SCRIPT = K8S / "create-secrets.sh"
 IMAGE_UID = 10001
 
 
@@ -146,6 +148,13 @@ def check_broken_deploy(root: Path, path: str, old: str, new: str) -> str:
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     return output
+
+
+def generated_secrets() -> dict[str, str]:
+    """Secret name -> key, as k8s/create-secrets.sh makes them (`secret NAME KEY VALUE`)."""
+    lines = re.findall(r"^secret (quillcache-[\w-]+) (\w[\w-]*) ", SECRETS_SCRIPT.read_text(), re.M)
+    assert lines, "k8s/create-secrets.sh makes no Secret"
+    return dict(lines)
 
 
 def render_k8s() -> list[dict]:
@@ -328,7 +337,8 @@ def test_compose_depends_on_healthy_services() -> None:
             )
             assert spec["condition"] == expected, (name, target)
     order = {
-        "etcd-auth": {"etcd", "certs"},
+        "credentials": {"certs"},
+        "etcd-auth": {"etcd", "credentials"},
         "conductor": {"etcd", "etcd-auth"},
         "conductor-1": {"etcd", "etcd-auth"},
         "store-0": {"conductor", "conductor-1"},
@@ -385,9 +395,9 @@ def test_compose_addresses_point_at_the_right_services() -> None:
         assert env["QC_NODE_ID"] == name
         paired.add(host)
     assert paired == set(stores), "each sim engine offloads to its own store node"
-    keys = dict(pair.split("=", 1) for pair in envs["gateway"]["QC_API_KEYS"].split(","))
-    assert set(keys) == {"acme", "globex"} and all(keys.values())
-    assert "${QC_ACME_API_KEY" in services["gateway"]["environment"]["QC_API_KEYS"]
+    # The tenants' keys from the file `credentials` generates, never in this file.
+    assert "QC_API_KEYS" not in envs["gateway"]
+    assert envs["gateway"]["QC_API_KEYS_FILE"] == "/certs/api-keys"
 
 
 def test_compose_stores_serve_a_fixed_reachable_data_port() -> None:
@@ -435,7 +445,7 @@ def test_compose_volumes_hold_the_data_dirs() -> None:
                 assert (ROOT / volume).is_file() and mount.endswith(":ro"), (name, mount)
                 continue
             assert volume in declared, f"{name} mounts undeclared volume {volume}"
-            if volume == "certs":  # shared, read-only: test_deploy_security.py
+            if volume == "certs" or volume.startswith("certs-"):  # test_deploy_security.py
                 continue
             assert volume not in used, f"{volume} is mounted by {used.get(volume)} and {name}"
             used[volume] = name
@@ -496,9 +506,7 @@ def test_k8s_has_the_local_cluster_layout(k8s_objects: list[dict]) -> None:
     for workload in (deployments["gateway"], statefulsets["store"]):
         names = {e["name"] for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert "QC_CONDUCTOR" not in names
-    secrets = by_kind(k8s_objects, "Secret")
-    keys = secrets["quillcache-api-keys"]["stringData"]["QC_API_KEYS"]
-    assert {pair.split("=")[0] for pair in keys.split(",")} == {"acme", "globex"}
+    assert generated_secrets()["quillcache-api-keys"] == "QC_API_KEYS"
 
 
 def test_k8s_containers_have_probes_resources_and_real_flags(k8s_objects: list[dict]) -> None:
@@ -548,7 +556,7 @@ def test_k8s_containers_have_probes_resources_and_real_flags(k8s_objects: list[d
 
 def test_k8s_env_references_resolve(k8s_objects: list[dict]) -> None:
     configmaps = by_kind(k8s_objects, "ConfigMap")
-    secrets = by_kind(k8s_objects, "Secret")
+    secrets = generated_secrets()
     for name, _, container in containers(k8s_objects):
         defined: set[str] = set()
         for source in container.get("envFrom", []):
@@ -563,7 +571,7 @@ def test_k8s_env_references_resolve(k8s_objects: list[dict]) -> None:
                 assert ref["key"] in configmaps[ref["name"]]["data"], (name, item["name"])
             if "secretKeyRef" in source:
                 ref = source["secretKeyRef"]
-                assert ref["key"] in secrets[ref["name"]]["stringData"], (name, item["name"])
+                assert secrets[ref["name"]] == ref["key"], (name, item["name"])
             defined.add(item["name"])
         for arg in container.get("command", []) + container.get("args", []):
             for ref in re.findall(r"\$\((\w+)\)", arg):
@@ -637,6 +645,60 @@ def test_k8s_volumes_hold_the_data_dirs(k8s_objects: list[dict]) -> None:
         if qc_command(container) == "conductor":
             index = container_env(k8s_objects, container)["QC_INDEX_PATH"]
             assert any(index.startswith(path + "/") for path in mounts.values())
+
+
+# --- no fixed secret: each deployment generates its own ----------------------------
+
+FAKE_KUBECTL = """#!/bin/sh
+echo "$*" >>"$STORE/argv"
+case "$*" in
+  "get namespace "*) exit 0 ;;
+  *" get secret "*) test -f "$STORE/$5" ;;  # -n NAMESPACE get secret NAME
+  *" create secret generic "*) spec="${7#--from-file=}"; cp "${spec#*=}" "$STORE/$6" ;;
+  *" label secret "*) exit 0 ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+def test_the_deploy_files_hold_no_fixed_key_or_secret(k8s_objects: list[dict]) -> None:
+    assert not by_kind(k8s_objects, "Secret"), "a Secret with its value in k8s/"
+    for name, service in load_compose()["services"].items():
+        for variable, value in compose_env(service).items():
+            if re.search(r"KEY|SECRET|TOKEN|PASSWORD", variable):
+                assert value.startswith("/certs/"), f"{name}: {variable} is no file: {value}"
+    for name, _, container in containers(k8s_objects):
+        for item in container.get("env", []):
+            if re.search(r"KEY|SECRET|TOKEN|PASSWORD", item["name"]):
+                assert "secretKeyRef" in item.get("valueFrom", {}), (name, item["name"])
+
+
+def test_k8s_secrets_are_generated_afresh_kept_and_never_on_a_command_line(tmp_path) -> None:
+    kubectl = tmp_path / "kubectl"
+    kubectl.write_text(FAKE_KUBECTL)
+    kubectl.chmod(0o755)
+
+    def run(store: Path) -> dict[str, str]:
+        store.mkdir(exist_ok=True)
+        env = {**os.environ, "KUBECTL": str(kubectl), "STORE": str(store)}
+        done = subprocess.run(["sh", str(SECRETS_SCRIPT)], env=env, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        return {p.name: p.read_text() for p in store.iterdir() if p.name != "argv"}
+
+    first, second = run(tmp_path / "a"), run(tmp_path / "b")
+    assert set(first) == set(generated_secrets()) == set(second)
+    for name, value in first.items():
+        assert value != second[name], f"{name}: the same value in two deployments"
+        for part in re.split(r"[,=]", value):
+            if not part.startswith("qc-") and part not in ("acme", "globex"):
+                assert re.fullmatch(r"[0-9a-f]{64}", part), (name, value)
+    keys = dict(pair.split("=", 1) for pair in first["quillcache-api-keys"].split(","))
+    assert set(keys) == {"acme", "globex"}
+    assert run(tmp_path / "a") == first, "an existing Secret is kept"
+    argv = (tmp_path / "a" / "argv").read_text() + (tmp_path / "b" / "argv").read_text()
+    for value in [*first.values(), *second.values()]:
+        assert value not in argv, "a secret on kubectl's command line"
 
 
 # --- Dockerfile ---------------------------------------------------------------------

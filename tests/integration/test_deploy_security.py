@@ -1,8 +1,10 @@
 """The deployment files are secure by default, checked offline and live.
 
 - docker-compose.yml: the one-shot `certs` service makes the CA, every role's
-  certificate and the shared secrets into a volume every other service mounts
-  read-only; every QuillCache service runs with TLS (QC_TLS_DIR; never --insecure);
+  certificate and the shared secrets into a volume, and `credentials` copies each
+  role's own into a volume of the role's (the gateway's also the API keys it
+  generates), which only that role's services mount, read-only; every QuillCache
+  service runs with TLS (QC_TLS_DIR; never --insecure);
   etcd serves TLS only, demands client certificates, and the one-shot `etcd-auth`
   (k8s/etcd-auth.sh) sets up its users and roles; the healthchecks speak TLS;
 - k8s/: cert-manager Issuers and one Certificate per role (common name = role), each
@@ -42,6 +44,7 @@ from tests.integration.test_deploy_files import (
     COMPOSE_ONE_SHOTS,
     COMPOSE_SERVICES,
     GRPC_COMMANDS,
+    IMAGE_UID,
     K8S,
     QC_COMMANDS,
     ROOT,
@@ -50,6 +53,7 @@ from tests.integration.test_deploy_files import (
     compose_env,
     copy_deploy_tree,
     flag_envs,
+    generated_secrets,
     interpolate,
     load_compose,
     qc_command,
@@ -72,6 +76,13 @@ K8S_ROLES = {
 }
 # The shared secrets besides the certificates, and the roles that may hold them.
 SHARED_SECRETS = {"tenant-secret": {"gateway"}, "engine-api-key": {"gateway", "engine"}}
+# The role each compose service runs as: the volume it mounts at /certs.
+COMPOSE_ROLES = {
+    "etcd": "etcd",
+    "etcd-auth": "root",
+    **{name: command.replace("sim-engine", "engine") for name, command in
+       COMPOSE_SERVICES.items() if command},
+}  # fmt: skip
 CERT_ITEMS = {"ca.crt": "ca.pem", "tls.crt": "{role}.pem", "tls.key": "{role}-key.pem"}
 # A file of the certificate dir named in a healthcheck or probe script.
 FILE_NAME = re.compile(r"'([\w-]+\.pem|tenant-secret|engine-api-key)'")
@@ -115,6 +126,29 @@ def compose_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What the compose `certs` service writes, made with the library."""
     hosts = load_compose()["services"]["certs"]["command"][3].split(",")
     return make_certs(tmp_path_factory.mktemp("compose") / "certs", hosts)
+
+
+@pytest.fixture(scope="module")
+def compose_roles(tmp_path_factory: pytest.TempPathFactory, compose_certs: Path) -> Path:
+    return compose_roles_of(tmp_path_factory, compose_certs)
+
+
+def compose_roles_of(tmp_path_factory: pytest.TempPathFactory, certs: Path) -> Path:
+    """What the compose `credentials` service makes of `certs`: its script run as
+    compose runs it (as root), its volumes as directories of <root>/roles."""
+    if os.geteuid() != 0:
+        pytest.skip("the compose `credentials` step runs as root (it hands out the volumes)")
+    credentials = load_compose()["services"]["credentials"]
+    root = tmp_path_factory.mktemp("compose-roles")
+    script = credentials["command"][0].replace("$$", "$").replace("/certs/", f"{certs}/")
+    script = script.replace("/roles", f"{root}/roles")
+    for mount in credentials["volumes"]:
+        if mount.split(":")[1].startswith("/roles/"):
+            (root / mount.split(":")[1].lstrip("/")).mkdir(parents=True)
+    for _ in ("first", "again"):  # idempotent
+        done = subprocess.run(["sh", "-euc", script], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    return root / "roles"
 
 
 def pod_templates(objects: list[dict]) -> dict[str, dict]:
@@ -232,13 +266,22 @@ def test_compose_certs_service_makes_the_certificates_first() -> None:
     assert set(COMPOSE_SERVICES) <= set(command[3].split(","))
     assert certs["volumes"] == ["certs:/certs"]
     assert certs["restart"] == "no" and "depends_on" not in certs
+    credentials = services["credentials"]
+    assert "certs:/certs:ro" in credentials["volumes"]
+    assert credentials["depends_on"]["certs"] == {"condition": "service_completed_successfully"}
+    made = {m.split(":")[0]: m.split(":")[1] for m in credentials["volumes"]}
+    assert {f"certs-{role}" for role in COMPOSE_ROLES.values()} <= set(made)
     for name, service in services.items():
-        if name == "certs":
+        if name in ("certs", "credentials"):
             continue
-        assert "certs:/certs:ro" in service["volumes"], f"{name} does not mount the certs"
-        assert service["depends_on"]["certs"] == {"condition": "service_completed_successfully"}, (
-            name
-        )
+        # Its role's volume only: no CA key, no other role's key.
+        role = COMPOSE_ROLES[name]
+        mounts = [m for m in service["volumes"] if m.split(":")[1] == "/certs"]
+        assert mounts == [f"certs-{role}:/certs:ro"], f"{name}: {mounts}"
+        assert made[f"certs-{role}"] == f"/roles/{role}", name
+        assert service["depends_on"]["credentials"] == {
+            "condition": "service_completed_successfully"
+        }, name
 
 
 def test_compose_services_run_with_tls_and_never_insecure() -> None:
@@ -280,10 +323,10 @@ def test_compose_etcd_serves_tls_with_client_cert_auth() -> None:
     ):
         assert options[flag].startswith("https://"), flag
     assert options["--initial-cluster"].split("=", 1)[1].startswith("https://")
-    assert "certs:/certs:ro" in etcd["volumes"]
+    assert "certs-etcd:/certs:ro" in etcd["volumes"]
     test = etcd["healthcheck"]["test"]
     assert "--cacert=/certs/ca.pem" in test and "--endpoints=https://127.0.0.1:2379" in test
-    assert {"--cert=/certs/operator.pem", "--key=/certs/operator-key.pem"} <= set(test)
+    assert {"--cert=/certs/etcd.pem", "--key=/certs/etcd-key.pem"} <= set(test)
 
 
 def etcd_auth_script(compose: dict) -> Path:
@@ -308,7 +351,7 @@ def test_compose_etcd_auth_runs_the_k8s_script_as_root() -> None:
     }
     assert auth["depends_on"]["etcd"] == {"condition": "service_healthy"}
     assert auth["restart"] == "no"
-    assert set(COMPOSE_ONE_SHOTS) == {"certs", "etcd-auth"}
+    assert set(COMPOSE_ONE_SHOTS) == {"certs", "credentials", "etcd-auth"}
 
 
 def test_compose_tls_files_are_what_quillcache_certs_writes(tmp_path: Path) -> None:
@@ -327,8 +370,8 @@ def test_compose_tls_files_are_what_quillcache_certs_writes(tmp_path: Path) -> N
     assert result.returncode == 0, f"`quillcache {' '.join(command)}`:\n{result.stderr}"
     text = COMPOSE.read_text()
     named = set(re.findall(r"/certs/(\w[\w.-]*)", text)) | set(FILE_NAME.findall(text))
-    assert {"ca.pem", "etcd.pem", "root-key.pem", "operator.pem", "engine-api-key"} <= named
-    for name in named:
+    assert {"ca.pem", "etcd.pem", "root-key.pem", "engine-api-key", "api-keys"} <= named
+    for name in named - {"api-keys"}:  # the API keys: `credentials` generates them
         assert (out / name).is_file(), f"docker-compose.yml names /certs/{name}: not written"
     hosts = command[3].split(",")
     for role in ROLES:
@@ -441,36 +484,59 @@ def started(name: str, args: list[str], tmp_path: Path) -> Iterator[ServiceProce
 
 
 def test_compose_grpc_healthcheck_runs_against_a_tls_conductor(
-    tmp_path: Path, compose_certs: Path
+    tmp_path: Path, compose_roles: Path
 ) -> None:
     check = healthcheck_argv(load_compose()["services"]["conductor"]["healthcheck"]["test"])
-    args = ["--port", "0", "--metrics-port", "0", "--tls-dir", str(compose_certs)]
+    own = compose_roles / "conductor"  # the conductor's volume, as it mounts it
+    args = ["--port", "0", "--metrics-port", "0", "--tls-dir", str(own)]
     with started("conductor", args, tmp_path) as conductor:
         port = conductor.grpc_address.rsplit(":", 1)[1]
-        ok = _run_check(check, port, compose_certs)
+        ok = _run_check(check, port, own)
         assert ok.returncode == 0, ok.stderr
         # The same check in plaintext gets no answer: the port demands TLS.
         plaintext = [a.replace("grpc.secure_channel(", "grpc.insecure_channel(") for a in check]
         plaintext = [re.sub(r", creds(?=, options)", "", a) for a in plaintext]
         assert plaintext != check
-        assert _run_check(plaintext, port, compose_certs).returncode != 0
-    down = _run_check(check, port, compose_certs)
+        assert _run_check(plaintext, port, own).returncode != 0
+    down = _run_check(check, port, own)
     assert down.returncode != 0, "the healthcheck passed with the conductor stopped"
 
 
 def test_compose_engine_healthcheck_runs_against_a_tls_sim_engine(
-    tmp_path: Path, compose_certs: Path
+    tmp_path: Path, compose_roles: Path
 ) -> None:
     check = healthcheck_argv(load_compose()["services"]["engine-0"]["healthcheck"]["test"])
     args = ["--port", "0", "--kv-events-port", "0", "--kv-replay-port", "0", "--registry", ""]
-    with started("sim-engine", [*args, "--tls-dir", str(compose_certs)], tmp_path) as engine:
+    own = compose_roles / "engine"
+    with started("sim-engine", [*args, "--tls-dir", str(own)], tmp_path) as engine:
         port = engine.fields["http"].rsplit(":", 1)[1]
-        ok = _run_check(check, port, compose_certs)
+        ok = _run_check(check, port, own)
         assert ok.returncode == 0, ok.stderr
         # Without a client certificate: no answer.
         bare = [re.sub(r"ctx\.load_cert_chain\([^;]*\);", "", a) for a in check]
         assert bare != check
-        assert _run_check(bare, port, compose_certs).returncode != 0
+        assert _run_check(bare, port, own).returncode != 0
+
+
+def test_compose_credentials_give_each_role_its_own_files_and_generated_api_keys(
+    compose_roles: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    for role in set(COMPOSE_ROLES.values()):
+        volume = compose_roles / role
+        expected = {"ca.pem", f"{role}.pem", f"{role}-key.pem"}
+        expected |= {secret for secret, roles in SHARED_SECRETS.items() if role in roles}
+        expected |= {"api-keys"} if role == "gateway" else set()
+        assert {p.name for p in volume.iterdir()} == expected, role
+        assert volume.stat().st_mode & 0o777 == 0o700 and volume.stat().st_uid == IMAGE_UID
+        for path in volume.iterdir():
+            assert path.stat().st_mode & 0o777 == 0o600 and path.stat().st_uid == IMAGE_UID
+    keys = (compose_roles / "gateway" / "api-keys").read_text().splitlines()
+    tenants = dict(line.split("=", 1) for line in keys)
+    assert set(tenants) == {"acme", "globex"}
+    assert all(re.fullmatch(r"qc-\w+-[0-9a-f]{32}", key) for key in tenants.values())
+    # Another deployment generates other keys.
+    other = compose_roles_of(tmp_path_factory, make_certs(tmp_path_factory.mktemp("c") / "c"))
+    assert set((other / "gateway" / "api-keys").read_text().splitlines()).isdisjoint(keys)
 
 
 # --- k8s/ -----------------------------------------------------------------------
@@ -514,7 +580,7 @@ def test_k8s_certificates_are_the_roles_signed_by_the_cluster_ca(k8s_objects) ->
 def test_k8s_workloads_mount_their_role_certificate(k8s_objects) -> None:
     templates = pod_templates(k8s_objects)
     assert set(templates) == set(K8S_ROLES)
-    secrets = by_kind(k8s_objects, "Secret")
+    secrets = generated_secrets()
     for workload, template in templates.items():
         role = K8S_ROLES[workload]
         pod = template["spec"]
@@ -526,7 +592,7 @@ def test_k8s_workloads_mount_their_role_certificate(k8s_objects) -> None:
             for secret, roles in SHARED_SECRETS.items():
                 if role in roles:
                     assert files.pop(secret) == (f"quillcache-{secret}", secret), workload
-                    assert secret in secrets[f"quillcache-{secret}"]["stringData"]
+                    assert secrets[f"quillcache-{secret}"] == secret
             assert not files, f"{workload} mounts more than its role needs: {files}"
             mode = (volume.get("secret") or volume.get("projected"))["defaultMode"]
             assert mode & 0o007 == 0, f"{workload}: keys readable by others ({mode:o})"

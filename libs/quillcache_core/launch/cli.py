@@ -6,6 +6,10 @@ The runtime's commands are listed here; other installed packages add theirs
 through the `quillcache.commands` entry-point group (a table like COMMANDS), so
 the runtime never imports them: the benchmarks and the demo come that way from
 `quillcache_bench`.
+
+`up` and every plug-in command start processes: they run under
+`process.stopping_on_signals`, so SIGINT or SIGTERM stops every process they started
+(exit status 128 + the signal's number), whatever they were doing.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# The runtime's commands that start processes (besides every plug-in command).
+LAUNCHERS = frozenset({"up"})
 PLUGIN_GROUP = "quillcache.commands"
 
 
@@ -92,7 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"quillcache: unknown command {args[0]!r}\n\n{usage(commands)}", file=sys.stderr)
             return 2
     module = importlib.import_module(entry[0])
-    return int(module.main(args[1:]) or 0)
+    if args[0] not in LAUNCHERS and args[0] in COMMANDS:
+        return int(module.main(args[1:]) or 0)  # a service handles its signals itself
+    from quillcache_core.launch.process import Interrupted, stopping_on_signals
+
+    try:
+        with stopping_on_signals():
+            return int(module.main(args[1:]) or 0)
+    except Interrupted as stop:
+        return 128 + stop.signum
 
 
 if __name__ == "__main__":

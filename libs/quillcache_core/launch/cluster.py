@@ -28,9 +28,16 @@ from pathlib import Path
 
 from quillcache_core.launch import vllm_engine
 from quillcache_core.launch.etcd_server import EtcdServer
-from quillcache_core.launch.process import Child, read_ready, spawn, terminate_group
+from quillcache_core.launch.process import (
+    Child,
+    read_ready,
+    spawn,
+    terminate_group,
+    write_private,
+)
 from quillcache_core.launch.supervisor import Supervisor, pinned_ports
-from quillcache_core.security.certs import make_certs
+from quillcache_core.security.certs import make_certs, make_instance_credentials
+from quillcache_core.security.credentials import process_security_args
 from quillcache_core.security.tls import Tls, grpc_channel
 
 DEMO_TENANTS = ("acme", "globex")
@@ -147,6 +154,7 @@ class LocalCluster:
         self.etcd: EtcdServer | None = None
         self.children: list[Child] = []
         self.api_keys = {tenant: f"qc-{tenant}-{secrets.token_hex(8)}" for tenant in DEMO_TENANTS}
+        self.api_keys_file = self.data_dir / "api-keys"  # the gateway's --api-keys-file
         self.insecure = insecure
         self.certs_dir = self.data_dir / "certs"
         # The operator's certificates: what this launcher (and the endpoints file's
@@ -155,8 +163,14 @@ class LocalCluster:
         self.lock = threading.RLock()  # children and their processes
         self.supervisor: Supervisor | None = Supervisor(self) if supervise else None
 
-    def _security_args(self) -> list[str]:
-        return ["--insecure"] if self.insecure else ["--tls-dir", str(self.certs_dir)]
+    def _security_args(self, name: str, service: str, args: list[str]) -> list[str]:
+        """`--tls-dir` the process's own credentials (<data_dir>/credentials/<name>: its
+        pair naming its node id, the CA certificate, the secrets it reads), or
+        `--insecure`."""
+        flag = next((f for f in ("--node-id", "--id") if f in args), None)
+        instance = args[args.index(flag) + 1] if flag else name
+        certs = None if self.insecure else self.certs_dir
+        return process_security_args(certs, self.data_dir / "credentials" / name, service, instance)
 
     def _role_tls(self, role: str) -> Tls | None:
         return None if self.insecure else Tls.from_dir(self.certs_dir, role)
@@ -237,28 +251,32 @@ class LocalCluster:
                      "--locality-domain", f"rack-{(i % (len(stores) or 2)) % 2}",
                      "--hbm-blocks", str(self.hbm_blocks), "--time-scale", str(self.time_scale),
                      *(("--store", Ref((store,)), "--store-node-id", store) if store else ()),
+                     *self._event_socket_args(options),
                      *options.get("sim_args", []), "--role", options.get("role", "both")),
                     store=store,
                     engine=i,
                 )
             )  # fmt: skip
-        keys = ",".join(f"{tenant}={key}" for tenant, key in self.api_keys.items())
         specs.append(
             ServiceSpec(
                 "gateway",
                 "gateway",
-                # The registry: a split's transfers go through the transfer service.
-                ("--conductor", Ref(conductors), "--api-keys", keys, "--registry",
-                 Ref(("etcd",), "url")),
+                # The registry: a split's transfers go through the transfer service. The
+                # keys in a file of its owner's: a command line is every user's to read.
+                ("--conductor", Ref(conductors), "--api-keys-file", str(self.api_keys_file),
+                 "--registry", Ref(("etcd",), "url")),
             )
         )  # fmt: skip
         return specs
 
     def _start(self, timeout_s: float) -> dict:
         logs = self.data_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+        logs.chmod(0o700)
+        write_private(self.api_keys_file, "".join(f"{t}={k}\n" for t, k in self.api_keys.items()))
         if not self.insecure:
             make_certs(self.certs_dir)
+            (self.data_dir / "credentials").mkdir(mode=0o700, exist_ok=True)
             self.tls = self._role_tls("operator")
         self.etcd = EtcdServer(
             self.data_dir / "etcd", tls_dir=None if self.insecure else self.certs_dir
@@ -319,6 +337,15 @@ class LocalCluster:
             else {"ca": str(self.tls.ca), "cert": str(self.tls.cert), "key": str(self.tls.key)},
         }
 
+    def _event_socket_args(self, options: dict) -> tuple[str, ...]:
+        """A sim engine's KV event sockets carry token ids and have no authentication:
+        unix sockets in <data_dir>/ipc (mode 0700), as vLLM's, unless its `sim_args`
+        ask for a TCP port."""
+        sim_args = options.get("sim_args", [])
+        if "--kv-events-port" in sim_args or "--kv-replay-port" in sim_args:
+            return ()
+        return ("--kv-events-dir", str(self.data_dir / "ipc"))
+
     def _index_args(self, i: int) -> list[str]:
         """Conductor i's residency index: `index_backend`, in its own directory."""
         args = ["--index-backend", self.index_backend]
@@ -328,7 +355,7 @@ class LocalCluster:
         return args
 
     def _run(self, name: str, service: str, args: list[str], timeout_s: float) -> Child:
-        args = [*args, *self._security_args(), *self.extra_args.get(service, [])]
+        args = [*args, *self._security_args(name, service, args), *self.extra_args.get(service, [])]
         child = Child(
             name,
             service,
@@ -361,7 +388,13 @@ class LocalCluster:
             raise ClusterError("vllm is not installed: run `quillcache vllm-env` first")
         options = self.engine_options.get(i, {})
         model_dir = Path(self.vllm_model_dir or env.model_dir).resolve()
-        tls = self._role_tls("engine")
+        name = f"engine-{i}"
+        own = self.data_dir / "credentials" / name  # the server's and its connector's
+        tls = None
+        if not self.insecure:
+            tls = Tls.from_dir(
+                make_instance_credentials(self.certs_dir, own, "engine", name), "engine"
+            )
         scheme = "http" if tls is None else "https"
         served = options.get("model", self.model)
         port = vllm_engine.free_port()
@@ -379,7 +412,6 @@ class LocalCluster:
             replay = f"ipc://{sockets}/engine-{i}-replay"
         connector_metrics = vllm_engine.free_port()
         scheduler_metrics = vllm_engine.free_port()
-        name = f"engine-{i}"
         try:
             kv = vllm_engine.engine_kv(vllm_engine.ModelKv.of(model_dir), self.engine_kv_tokens)
         except (OSError, ValueError) as exc:
@@ -400,7 +432,7 @@ class LocalCluster:
                 options.get("tokenizer", str(model_dir)),
                 metrics_port=connector_metrics,
                 scheduler_metrics_port=scheduler_metrics,
-                tls_dir=None if tls is None else str(self.certs_dir),
+                tls_dir=None if tls is None else str(tls.directory),
                 bypass_file=options.get("connector_bypass_file", ""),
             ),
             extra=options.get("vllm_args"),

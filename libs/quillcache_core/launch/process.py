@@ -11,6 +11,13 @@ the local cluster, its supervisor, etcd, the benchmarks and the tests.
   grace (stragglers too), and reap the leader.
 - `ManagedProcess`: those three around one command, with waits that fail fast when the
   process exits.
+- `stopping_on_signals()`: what every command that starts processes runs under: SIGINT
+  and SIGTERM raise `Interrupted` in the main thread (so its own `finally` blocks stop
+  what it started), and on the way out every group `spawn` started that still runs is
+  stopped.
+
+Logs are written mode 0600 in directories made 0700 (`write_private` for other files
+of the kind): a process's output may carry what its clients sent.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +68,83 @@ class ProcessFailed(RuntimeError):
     """A process exited, or did not become ready in time."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived under `stopping_on_signals`. A KeyboardInterrupt, so
+    asyncio and `except Exception` let it through as they do Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Started:
+    """The process groups `spawn` started that may still run, and the signal handler's
+    plain flags. Process-wide by nature: a signal reaches the process, not an object.
+    `lock` guards `groups` and `closed`; the handler takes no lock."""
+
+    lock = threading.RLock()  # re-entrant: a raise that left it held cannot block the sweep
+    groups: dict[int, subprocess.Popen] = {}  # leader pid -> process; reaped ones pruned
+    closed = False  # swept: spawn refuses from now on
+    stopping = False  # a signal raised Interrupted: later ones change nothing
+    deferring = 0  # the main thread is inside spawn: a signal waits until it is done
+    pending = 0  # the signal that waited
+
+
+def _on_signal(signum: int, _frame) -> None:
+    """Raise `Interrupted` once; takes no lock, so it cannot deadlock whatever the main
+    thread holds."""
+    if _Started.stopping:
+        return
+    if _Started.deferring:
+        _Started.pending = signum
+        return
+    _Started.stopping = True
+    raise Interrupted(signum)
+
+
+def _stop_started(grace_s: float) -> None:
+    """SIGTERM every group `spawn` started that still runs, all at once; SIGKILL what is
+    left after `grace_s` (stragglers too); reap. Spawn refuses afterwards."""
+    _Started.stopping = True
+    with _Started.lock:
+        _Started.closed = True
+        procs = list(_Started.groups.values())
+        _Started.groups.clear()
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5.0)
+
+
+@contextlib.contextmanager
+def stopping_on_signals(grace_s: float = 5.0) -> Iterator[None]:
+    """Run a command that starts processes (from the main thread): SIGINT and SIGTERM
+    raise `Interrupted` there, once (later ones are ignored while it unwinds); on the
+    way out, however it ends, every process group `spawn` started and that still runs
+    is stopped (SIGTERM, SIGKILL after `grace_s`)."""
+    _Started.closed = _Started.stopping = False
+    _Started.pending = 0
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        try:
+            _stop_started(grace_s)
+        except Interrupted:  # landed before the sweep marked itself: now it cannot
+            _stop_started(grace_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def spawn(
     argv: Sequence[str],
     log_path: str | os.PathLike[str],
@@ -72,23 +157,60 @@ def spawn(
     the process and the log's size before it (where this run's lines start). With
     `cores`, it and everything it starts run on those cores only."""
     path = Path(log_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab") as out:
-        offset = out.tell()
-        proc = subprocess.Popen(
-            [str(a) for a in argv],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-        )
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(_private_fd(path, os.O_APPEND), "ab") as out:
+        offset = out.seek(0, os.SEEK_END)
+        proc = _popen_tracked(argv, out, env, cwd)
     if cores:
         # Before the command starts a thread or a process (`sh` execs it): all inherit it.
         with contextlib.suppress(OSError):
             os.sched_setaffinity(proc.pid, cores)
     return proc, offset
+
+
+def write_private(path: str | os.PathLike[str], text: str) -> None:
+    """`text` into `path`, readable and writable by its owner only (also a file that
+    was there before with a wider mode)."""
+    with open(_private_fd(path, os.O_TRUNC), "w") as out:
+        out.write(text)
+
+
+def _private_fd(path: str | os.PathLike[str], flags: int) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o600)
+    os.fchmod(fd, 0o600)  # made before, under a wider umask
+    return fd
+
+
+def _popen_tracked(argv, out, env, cwd) -> subprocess.Popen:
+    """Popen, the group remembered for `stopping_on_signals`; a signal that lands in
+    between waits until it is remembered (the main thread's) or the sweep waits for it
+    (another thread's)."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        _Started.deferring += 1
+    try:
+        with _Started.lock:
+            if _Started.closed:
+                raise ProcessFailed(f"stopping: {argv[0]} not started")
+            proc = subprocess.Popen(
+                [str(a) for a in argv],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+            )
+            for pid in [pid for pid, p in _Started.groups.items() if p.poll() is not None]:
+                del _Started.groups[pid]
+            _Started.groups[proc.pid] = proc
+    finally:
+        if main:
+            _Started.deferring -= 1
+            if _Started.pending and not _Started.stopping:
+                _Started.stopping = True
+                raise Interrupted(_Started.pending)
+    return proc
 
 
 def ready_fields(text: str) -> dict[str, str] | None:
@@ -141,6 +263,9 @@ def terminate_group(proc: subprocess.Popen | None, grace_s: float) -> int | None
         os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5.0)
+    with _Started.lock:
+        if _Started.groups.get(proc.pid) is proc:
+            del _Started.groups[proc.pid]
     return proc.returncode
 
 

@@ -1,5 +1,6 @@
 """`quillcache up`: the local cluster (`cluster.LocalCluster`) from the command line,
-its endpoints printed and written to a file, until Ctrl-C or SIGTERM."""
+its endpoints printed and written to a file (mode 0600: it holds the tenants' API keys),
+until Ctrl-C or SIGTERM (`quillcache` runs it under `process.stopping_on_signals`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import json
 import signal
 import sys
 import tempfile
-import threading
+import time
 from pathlib import Path
 
 from quillcache_core.launch import vllm_engine
 from quillcache_core.launch.cluster import DEMO_TENANTS, ClusterError, LocalCluster
+from quillcache_core.launch.process import Interrupted, write_private
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,16 +103,31 @@ def engine_roles(spec: str, engines: int) -> dict[int, dict]:
     return {i: {"role": role} for i, role in enumerate(roles)}
 
 
+def serve(cluster: LocalCluster) -> None:
+    """Until a signal (`Interrupted`): without a supervisor, say which process exited."""
+    while True:
+        time.sleep(1.0)
+        if cluster.supervisor is not None:
+            continue  # it restarts what dies, and says so
+        for child in cluster.dead_children():
+            print(
+                f"warning: {child.name} exited (code {child.proc.returncode}); "
+                f"log: {child.log_path}",
+                file=sys.stderr,
+                flush=True,
+            )
+            cluster.children.remove(child)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     with contextlib.ExitStack() as stack:
         data_dir = args.data_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="quillcache-")
         )
+        # Keys, certificates, logs and cached prompts' blocks: the owner's alone.
+        Path(data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             cluster = LocalCluster(
                 Path(data_dir),
@@ -141,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             text = json.dumps(endpoints, indent=2)
             if args.endpoints_file:
-                Path(args.endpoints_file).write_text(text)
+                write_private(Path(args.endpoints_file), text)
             print("\nQuillCache is up:\n" + text, flush=True)
             key = endpoints["api_keys"][DEMO_TENANTS[0]]
             cacert = f"--cacert {endpoints['tls']['ca']} " if endpoints["tls"] else ""
@@ -153,17 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             print("Ctrl-C stops everything.", flush=True)
-            while not stop.wait(1.0):
-                if cluster.supervisor is not None:
-                    continue  # it restarts what dies, and says so
-                for child in cluster.dead_children():
-                    print(
-                        f"warning: {child.name} exited (code {child.proc.returncode}); "
-                        f"log: {child.log_path}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    cluster.children.remove(child)
+            serve(cluster)
+        except Interrupted as stop:
+            print(f"{signal.Signals(stop.signum).name}:", end=" ", flush=True)
         finally:
             print("stopping...", flush=True)
             cluster.stop()
