@@ -27,8 +27,8 @@ class Clock:
 @pytest.mark.parametrize(
     ("rewrites", "elapsed_s", "alive"),
     [
-        ((), STALE_S - 0.01, True),  # within 1.5 TTLs of the first look
-        ((), STALE_S, False),  # the same revision for 1.5 TTLs: gone
+        ((), STALE_S - 0.01, True),  # within the stale time of the first look
+        ((), STALE_S, False),  # the same revision for the stale time: gone
         ((1.0, 2.0, 3.0), 3.0 + STALE_S - 0.01, True),  # each rewrite counts
         ((1.0,), 1.0 + STALE_S, False),  # rewrites stopped
     ],

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import grpc.aio
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
-from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
+from etcd3aio._protobuf import (
+    LeaseKeepAliveRequest,
+    LeaseStub,
+    WatchCreateRequest,
+    WatchRequest,
+    WatchStub,
+)
 from etcd3aio.errors import EtcdPermissionDeniedError, EtcdUnauthenticatedError
 
 from quillcache_core.errors import InvalidArgument, NodeUnavailable, QuillCacheError
@@ -36,7 +42,7 @@ from quillcache_core.registry.records import (
     node_key,
     parse_node_key,
 )
-from quillcache_core.registry.renewals import RenewalTracker
+from quillcache_core.registry.renewals import REWRITE_EVERY_ROUNDS, RenewalTracker
 
 if TYPE_CHECKING:
     from quillcache_core.security.tls import Tls
@@ -122,6 +128,7 @@ class _Registration:
     granted_ttl: int  # what etcd granted (it may raise a TTL to its minimum)
     pending_lease_id: int | None = None  # granted during a re-register, not yet adopted
     task: asyncio.Task[None] | None = None
+    keepalive: grpc.aio.StreamStreamCall | None = None  # its LeaseKeepAlive stream
 
 
 class EtcdRegistry(NodeRegistry):
@@ -132,10 +139,10 @@ class EtcdRegistry(NodeRegistry):
     ``max(1, ceil(ttl_s))`` (etcd may raise it further to its minimum TTL).
 
     Each registration has its own keepalive task: every granted_ttl/3 s one
-    LeaseKeepAlive round trip, then the record written again on its lease (with the
-    TTL in it), the renewal only its owner can make. Readers (`list`, `get`, `watch`)
-    take a record that promises renewals as gone once they have not seen it rewritten
-    for 1.5 TTLs, even while its lease lives: etcd lets any client keep any lease
+    LeaseKeepAlive round trip, and every third round the record written again on its
+    lease (with the TTL in it), the renewal only its owner can make. Readers (`list`,
+    `get`, `watch`) take a record that promises renewals as gone once they have not
+    seen it rewritten for 3 TTLs, even while its lease lives: etcd lets any client keep any lease
     alive (`registry.renewals`). If etcd reports the lease gone (TTL <= 0, or
     NOT_FOUND) or etcd has been unreachable for longer than the TTL, the task grants a
     new lease and puts the record again, retrying every 0.5 s until it succeeds: a
@@ -365,42 +372,48 @@ class EtcdRegistry(NodeRegistry):
         reg.task = asyncio.create_task(
             self._keepalive_loop(reg), name=f"registry-keepalive-{reg.record.kind}/{reg.record.id}"
         )
+        reg.task.add_done_callback(lambda _: _close_keepalive(reg))
 
-    async def _keepalive_once(self, lease_id: int, timeout_s: float) -> int:
-        """One LeaseKeepAlive round trip; returns the TTL etcd reports (<= 0: gone).
+    async def _keepalive_once(self, reg: _Registration, timeout_s: float) -> int:
+        """One LeaseKeepAlive round trip for `reg`'s lease; returns the TTL etcd reports
+        (<= 0: gone).
 
-        etcd answers TTL 0 for a lease it no longer has; a NOT_FOUND status (a proxy,
-        another etcd version) means the same."""
-        call = None
+        The registration keeps one stream open across rounds (write a request, read its
+        answer: a new stream a round cost a call's setup each time); any failure closes
+        it and the next round opens another. etcd answers TTL 0 for a lease it no longer
+        has; a NOT_FOUND status (a proxy, another etcd version) means the same."""
         try:
-            client = await self._conn()
-            call = client.lease.keep_alive(lease_id)
+            if reg.keepalive is None:
+                client = await self._conn()
+                reg.keepalive = LeaseStub(_channel_of(client)).LeaseKeepAlive()
+            call = reg.keepalive
             with self._tracked():
                 async with asyncio.timeout(timeout_s):
-                    async for resp in call:
-                        return int(resp.TTL)
-            raise NodeUnavailable("keepalive stream closed without an answer")
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    await call.write(LeaseKeepAliveRequest(ID=reg.lease_id))
+                    resp = await call.read()
+            if resp is grpc.aio.EOF:
+                raise NodeUnavailable("keepalive stream closed without an answer")
+            return int(resp.TTL)
+        except BaseException as exc:
+            _close_keepalive(reg)
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.NOT_FOUND:
                 return 0
-            raise self._failure("lease keepalive", exc) from exc
-        except _ETCD_ERRORS as exc:
-            raise self._failure("lease keepalive", exc) from exc
-        finally:
-            if call is not None:
-                call.cancel()
+            if isinstance(exc, _ETCD_ERRORS):
+                raise self._failure("lease keepalive", exc) from exc
+            raise
 
     async def _keepalive_loop(self, reg: _Registration) -> None:
         kind, node_id = reg.record.kind, reg.record.id
         last_ok = time.monotonic()
         lost = False
+        rounds = 0
         while True:
             interval = max(0.1, reg.granted_ttl / 3.0)
             await asyncio.sleep(min(interval, 0.5) if lost else interval)
             if not lost:
                 timeout_s = min(self._timeout_s, max(0.5, reg.granted_ttl / 2.0))
                 try:
-                    ttl = await self._keepalive_once(reg.lease_id, timeout_s)
+                    ttl = await self._keepalive_once(reg, timeout_s)
                 except QuillCacheError as exc:  # unavailable, or denied: a new lease then
                     down_s = time.monotonic() - last_ok
                     if down_s > reg.granted_ttl:
@@ -419,7 +432,9 @@ class EtcdRegistry(NodeRegistry):
                     continue
                 if ttl > 0:
                     last_ok = time.monotonic()
-                    await self._rewrite(reg, timeout_s)
+                    rounds += 1
+                    if rounds % REWRITE_EVERY_ROUNDS == 0:
+                        await self._rewrite(reg, timeout_s)
                     continue
                 log.warning(
                     "lease %x of %s/%s expired; re-registering", reg.lease_id, kind, node_id
@@ -691,6 +706,10 @@ class EtcdRegistry(NodeRegistry):
             return NodeEvent(LEAVE, last)
         if ev.type != _EV_PUT:
             return None
+        last = told.get(key)
+        if last is not None and ev.HasField("prev_kv") and ev.prev_kv.value == ev.kv.value:
+            self._renewals.observe(last.key, ev.kv.mod_revision)
+            return None  # its owner's renewal: the same bytes, nothing to decode
         record = self._decode(ev.kv)
         if record is None:  # now unreadable: treat it as gone
             last = told.pop(key, None)
@@ -745,6 +764,12 @@ async def _cancel_task(task: asyncio.Task[None] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def _close_keepalive(reg: _Registration) -> None:
+    if reg.keepalive is not None:
+        reg.keepalive.cancel()
+        reg.keepalive = None
 
 
 def _channel_of(client: Etcd3Client) -> grpc.aio.Channel:
