@@ -38,6 +38,11 @@ class Reservation:
     sample_fetch_us: float = 0.0
     # The measured TTFT it was learned from, once it was (0: it taught nothing).
     sample_ttft_us: float = 0.0
+    # The blocks its plan claimed in the engine's HBM (a prefix of the prompt's), and
+    # the ones it has the engine load from the pool after them, as many as the engine
+    # can report cached (ConductorState._expect_cached).
+    hit_blocks: int = 0
+    fetch_blocks: int = 0
     # Blocks recorded on the engine at plan time (in the state's overlay); made
     # resident on success, taken back if the request fails or expires.
     optimistic: list[CacheResidency] = field(default_factory=list)
@@ -76,6 +81,9 @@ class Counters:
     restart_records_dropped: int = 0
     nodes_returned: int = 0  # came back within their leave grace (same run)
     nodes_dropped_after_grace: int = 0
+    # Engine id -> Finishes whose delivered hits corrected the engine's residency (lost
+    # planned blocks dropped, unknown held ones recorded); an entry per engine corrected.
+    residency_corrections: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,6 +165,13 @@ class ConductorServer:
             read=lambda: [((), state.counters.restart_records_dropped)],
         )
         m.gauge(
+            "residency_corrections_total",
+            "Finishes whose engine's delivered cached tokens corrected its residency: "
+            "planned hits it had lost dropped, blocks it held unknown recorded",
+            ["engine"],
+            read=lambda: [((k,), v) for k, v in state.counters.residency_corrections.items()],
+        )
+        m.gauge(
             "nodes_in_leave_grace",
             "engines and stores whose registry record went, their residency kept in case "
             "they register again (held: still routable, right after a registry outage)",

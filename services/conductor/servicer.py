@@ -18,7 +18,7 @@ from quillcache_core.model import IdentityScope, KvBlockKey, RequestShape, SloTa
 from quillcache_core.routing.actions import ActionKind, action_runs
 from quillcache_core.rpc.server import status_for, unary_errors
 from quillcache_core.security.tls import peer_identity
-from quillcache_core.wire.plan import digest_count
+from quillcache_core.wire.plan import HASH_BYTES, digest_count, unpack_hashes
 from quillcache_core.wire.tiers import TIER_TO_PROTO
 
 logger = logging.getLogger(__name__)
@@ -291,11 +291,32 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                 request.transfer_blocks,
             )
         engine_id = self.state.finish(
-            request.reservation_id, outcome, promote=not observe, ttft_s=request.ttft_ms / 1000
+            request.reservation_id,
+            outcome,
+            promote=not observe,
+            ttft_s=request.ttft_ms / 1000,
+            **(self._delivered(request) if outcome == "success" else {}),
         )
         if observe and engine_id in self.state.engines:
             self.state.observe(engine_id, observe)
         return conductor_pb2.FinishResponse(released=True)
+
+    def _delivered(self, request) -> dict:
+        """What the engine's delivered cached tokens correct (ConductorState.finish's
+        `lost_hashes` and `held_keys`), read off the Finish's observed blocks."""
+        if not request.HasField("delivered_cached_tokens") or not request.observe_packed_hashes:
+            return {}
+        block_tokens = request.observe_block_tokens or 16
+        lost, held = self.state.delivered_blocks(
+            request.reservation_id, request.delivered_cached_tokens // block_tokens
+        )
+        packed = request.observe_packed_hashes
+        if held:
+            scope = scope_from_proto(request.identity)
+            chain = BlockChain(scope, block_tokens, packed[: held.stop * HASH_BYTES])
+            return {"held_keys": chain.keys()[held.start :]}
+        lost_packed = packed[lost.start * HASH_BYTES : lost.stop * HASH_BYTES]
+        return {"lost_hashes": unpack_hashes(lost_packed)}
 
     async def PlanStream(self, request_iterator, context):
         """Plan and Finish calls over one stream; each call fails or succeeds alone.
@@ -414,7 +435,19 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
                     model=info.record.model or "",
                     tokenizer=info.record.tokenizer or "",
                     role=info.record.role,
+                    block_size=info.record.block_size or 0,
                 )
                 for info in sorted(state.engines.values(), key=lambda i: i.state.id)
             ],
+        )
+
+    @unary_errors
+    async def Drain(self, request, context):
+        if not request.engine_id:
+            raise InvalidArgument("engine_id is required")
+        info = self.state.drain(request.engine_id)
+        return conductor_pb2.DrainResponse(
+            engine_id=request.engine_id,
+            inflight_requests=info.state.inflight_requests,
+            state=self.state.drains.state_of(info.record),
         )

@@ -12,6 +12,7 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 
 from quillcache_conductor import overlay
+from quillcache_conductor.drain import Drains
 from quillcache_conductor.ledger import ReservationLedger
 from quillcache_conductor.listener import ReservationListener
 from quillcache_conductor.records import (
@@ -114,6 +115,8 @@ class ConductorState:
         # The engines' prefill speed per model, learned from Finish's TTFT
         # (routing/calibrate.py); the policy prices each plan with its model's.
         self.speeds = ModelSpeeds(policy.cost_model) if calibrate else None
+        # Engines the planner leaves out while they drain (drain.py).
+        self.drains = Drains()
 
     # --- fleet -------------------------------------------------------------------
 
@@ -143,6 +146,7 @@ class ConductorState:
             info.state.hbm_capacity_bytes = record.capacity_bytes
         if restarted:
             info.state.resident_blocks = 0
+            self.drains.forget(record.id)  # a new run of it serves again
         self._update_block_parts()
         return restarted
 
@@ -273,6 +277,7 @@ class ConductorState:
         self._fleets.clear()
         self.departures.pop(("engine", engine_id), None)
         self.engines.pop(engine_id, None)
+        self.drains.forget(engine_id)
         self._update_block_parts()
         dropped = self.index.clear_worker(engine_id)
         for res in self.ledger.on_engine(engine_id):
@@ -364,6 +369,7 @@ class ConductorState:
             expires_s=now + self.reservation_ttl_s,
             model_id=request.model_id,
         )
+        self._expect_cached(res, decision, request)
         if self.speeds is not None:
             if not decision.chosen.fetch_blocks:
                 # Its TTFT is the prefill of its own tokens and of those queued ahead.
@@ -385,6 +391,14 @@ class ConductorState:
         if self.listener is not None:
             self.listener.opened(res, est_ttft_s)
         return PlanOutcome(res.id, decision)
+
+    def _expect_cached(self, res: Reservation, decision: PlanDecision, request: RequestShape):
+        """The plan's hit and fetch blocks as its engine can deliver them: whole blocks
+        of its own, never the prompt's last token (always computed)."""
+        parts = self.engine_block_parts(res.engine_id)
+        cacheable = max(0, request.input_tokens() - 1) // (self.block_tokens * parts) * parts
+        res.hit_blocks = min(decision.chosen.hit_blocks, cacheable)
+        res.fetch_blocks = min(decision.chosen.fetch_blocks, cacheable - res.hit_blocks)
 
     def prefilled(self, reservation_id: str, ttft_s: float) -> bool:
         """The request's first token came after `ttft_s`: its prefill no longer counts on
@@ -427,6 +441,8 @@ class ConductorState:
             for info in self.engines.values()
             if info.state.id not in excluded and serves(info.record, model_id)
         ]
+        serving = [e for e in engines if not self.drains.excludes(self.engines[e.id].record)]
+        engines = serving or engines  # draining engines only when none other is left
         # A prefill-only engine never decodes while another engine can (disagg.py).
         if any(self.engines[e.id].record.role != "prefill" for e in engines):
             engines = [e for e in engines if self.engines[e.id].record.role != "prefill"]
@@ -442,14 +458,46 @@ class ConductorState:
         self._fleets[cache_key] = fleet
         return fleet
 
+    def drain(self, engine_id: str) -> EngineInfo:
+        """Plan no new request to `engine_id` from now on; NotFound if unknown here."""
+        info = self.engines.get(engine_id)
+        if info is None:
+            raise NotFound(f"no engine {engine_id!r} is registered")
+        if self.drains.begin(engine_id):
+            self._fleets.clear()
+        return info
+
+    def delivered_blocks(self, reservation_id: str, delivered: int) -> tuple[range, range]:
+        """What an open reservation's engine reporting `delivered` cached blocks says of
+        its residency (prompt indexes): the blocks its plan claimed in the engine's HBM
+        past those (the engine had lost them), and the blocks it held beyond what the
+        plan claimed and loaded (the conductor had not known them). Both empty when it
+        delivered as planned, or the reservation is unknown."""
+        res = self.ledger.get(reservation_id)
+        if res is None:
+            return range(0), range(0)
+        extra_from = res.hit_blocks + res.fetch_blocks
+        extra = range(res.hit_blocks, delivered) if delivered > extra_from else range(0)
+        return range(max(0, delivered), res.hit_blocks), extra
+
     def finish(
-        self, reservation_id: str, outcome: str, promote: bool = True, ttft_s: float = 0.0
+        self,
+        reservation_id: str,
+        outcome: str,
+        promote: bool = True,
+        ttft_s: float = 0.0,
+        lost_hashes: Sequence[str] = (),
+        held_keys: Sequence = (),
     ) -> str:
         """Release a reservation; returns its engine. NotFound if unknown (finished or expired).
 
         On success its optimistic records become index records, unless `promote` is
         False (the caller is about to record the request's blocks itself), and its
-        measured `ttft_s` (if any) teaches the model's prefill speed.
+        measured `ttft_s` (if any) teaches the model's prefill speed. `lost_hashes` are
+        the blocks its plan claimed on the engine that the engine did not deliver, and
+        `held_keys` those it delivered beyond the plan (`delivered_blocks`): the
+        engine's records of the first are dropped, of the second written, before
+        anything is promoted; the speed sample counts the lost ones as computed.
         """
         if outcome not in OUTCOMES:
             raise InvalidArgument(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
@@ -458,6 +506,8 @@ class ConductorState:
             raise NotFound(f"no open reservation {reservation_id!r} (finished, expired or unknown)")
         info = self.engines.get(res.engine_id)
         success = outcome == "success"
+        if success and (lost_hashes or held_keys):
+            self._correct(res, lost_hashes, held_keys)
         if success:
             self._learn(res, ttft_s)
         if success and res.optimistic and info is not None and not publishes_events(info.record):
@@ -476,6 +526,37 @@ class ConductorState:
         self.ledger.forget(res)
         self.counters.finishes[outcome] += 1
         return res.engine_id
+
+    def _correct(self, res: Reservation, lost_hashes: Sequence[str], held_keys: Sequence) -> None:
+        """The engine no longer held the lost blocks its plan claimed: no record (index
+        or overlay) claims them there now, and its TTFT was the prefill of them too. It
+        did hold the `held_keys` (events of them that did not arrive): recorded, and not
+        computed. So a wrong drop (the engine recomputed the lost blocks and its events
+        of that came before this Finish) lasts until the next answer that hits them."""
+        engine_id = res.engine_id
+        hbm = CacheTier.HBM
+        for block_hash in lost_hashes:
+            self.index.remove_tier(engine_id, block_hash, hbm)
+            overlay.release(self.optimistic, engine_id, block_hash)
+        if held_keys:
+            self.index.put_many(
+                CacheResidency(key, engine_id, hbm, self.default_block_bytes) for key in held_keys
+            )
+        info = self.engines.get(engine_id)
+        if info is not None:
+            info.state.resident_blocks = self.index.worker_block_count(engine_id)
+        if res.sample_tokens >= 0 and res.sample_ttft_us == 0:  # not learned at PREFILLED
+            computed_fewer = max(0, len(held_keys) - res.fetch_blocks)
+            delta = (len(lost_hashes) - computed_fewer) * self.block_tokens
+            res.sample_tokens = max(0, res.sample_tokens + delta)
+        corrections = self.counters.residency_corrections
+        corrections[engine_id] = corrections.get(engine_id, 0) + 1
+        logger.debug(
+            "engine %s had lost %d planned blocks, held %d unknown ones",
+            engine_id,
+            len(lost_hashes),
+            len(held_keys),
+        )
 
     def observe(self, engine_id: str, keys: Sequence) -> int:
         """Record a served request's prefix blocks as resident in the engine's HBM.

@@ -78,6 +78,7 @@ class ModelCatalog:
         # model -> its engines as (engine id, base URL), in Stats' order
         self._model_engines: dict[str, list[tuple[str, str]]] = {}
         self._prefill_only: set[str] = set()  # engine ids whose role is prefill
+        self._engine_blocks: dict[str, int] = {}  # engine id -> its own KV block size
         # Record tokenizer id -> its local files (None: ask an engine's /tokenize).
         self._record_tokenizers: dict[str, Tokenizer | None] = {}
         self._turn = itertools.count()
@@ -87,18 +88,24 @@ class ModelCatalog:
         models: dict[str, str],
         urls: dict[str, list[str | tuple[str, str]]] | None = None,
         prefill_only: Iterable[str] = (),
+        engine_blocks: dict[str, int] | None = None,
     ) -> None:
         """As if the conductor had just listed these (tests, and the fetch below).
 
         `urls` lists each model's engines as (engine id, base URL), or as bare base URLs
         (the URL then stands for the id too); `prefill_only` the ids of engines whose
-        role is prefill."""
+        role is prefill; `engine_blocks` the engines' own KV block sizes."""
+        self._engine_blocks = dict(engine_blocks or {})
         self._model_engines = {
             model: [e if isinstance(e, tuple) else (e, e) for e in engines]
             for model, engines in (urls or {}).items()
         }
         self._prefill_only = set(prefill_only)
         self._models = (time.monotonic(), models)
+
+    def engine_block_size(self, engine_id: str) -> int:
+        """Tokens in one of the engine's own KV blocks (the index's when not known)."""
+        return self._engine_blocks.get(engine_id) or self.block_size
 
     def engines_for(self, model: str) -> list[tuple[str, str]]:
         """(engine id, base URL) of the engines Stats last listed for `model`, and of those
@@ -144,14 +151,17 @@ class ModelCatalog:
         models: dict[str, str] = {}
         urls: dict[str, list[str | tuple[str, str]]] = {}
         prefill_only = []
+        blocks = {}
         for engine in stats.engines:  # the first engine's record names the model's tokenizer
             models.setdefault(engine.model, engine.tokenizer)
+            if engine.block_size:
+                blocks[engine.engine_id] = engine.block_size
             if engine.base_url:
                 pair = (engine.engine_id or engine.base_url, engine.base_url)
                 urls.setdefault(engine.model, []).append(pair)
                 if engine.role == "prefill":
                     prefill_only.append(pair[0])
-        self.set_served(models, urls, prefill_only)
+        self.set_served(models, urls, prefill_only, blocks)
         return models
 
     async def served_tokenizer(self, model: str) -> str | None:

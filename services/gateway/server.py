@@ -35,6 +35,7 @@ from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tenants import tenant_salt
 from quillcache_core.security.tls import role_of_cert
 from quillcache_core.wire import engine_plan
+from quillcache_gateway.accounting import DeliveryMeter
 from quillcache_gateway.conductor_calls import FinishQueue
 from quillcache_gateway.config import GatewayConfig
 from quillcache_gateway.connections import (
@@ -42,6 +43,16 @@ from quillcache_gateway.connections import (
     GuardedSite,
     answer_and_close,
     server_logger,
+)
+from quillcache_gateway.delivered import (
+    EXPLAIN_HEADER,
+    Delivery,
+    Prediction,
+    StreamTap,
+    asking_usage,
+    predict,
+    wants_usage,
+    whole_body,
 )
 from quillcache_gateway.disagg import HEADER as DISAGG_HEADER
 from quillcache_gateway.disagg import Disaggregator, SplitContext, answer_headers, requested_mode
@@ -125,6 +136,7 @@ class _Call:
         return self.chain.packed
 
     disagg: str = ""  # the client's x-quillcache-disagg ("" = the conductor's choice)
+    explain: bool = False  # the client sent x-quillcache-explain: 1
     notes: dict[str, str] = field(default_factory=dict)  # headers added on the way (disagg)
 
 
@@ -178,6 +190,7 @@ class Gateway:
         self.upstream_failures = m.counter(
             "gateway_upstream_failures_total", "engine calls that failed, by phase", ["phase"]
         )
+        self.delivery = DeliveryMeter(m)
         self.finish_dropped = m.counter(
             "gateway_finish_dropped_total", "Finish calls dropped because too many were queued"
         )
@@ -365,6 +378,7 @@ class Gateway:
             self.requests.inc(route=request.path, status=status)
             if tenant:
                 self.limits.count(tenant, status)
+            self.delivery.log(request, request_id, status, (time.perf_counter() - arrived) * 1000)
 
     def _tenant(self, request: web.Request) -> str:
         if not self.tenants:
@@ -516,7 +530,8 @@ class Gateway:
         block_size = self.catalog.block_size
         chains = self.memos.of(tenant).chains.deferred()
         chain, hashes = BlockChain.of_tokens(ident.identity, job.tokens, block_size, chains)
-        call = _Call(request_id, arrived, slo_ms, job, ident, chain, hashes, mode)
+        explain = request.headers.get(EXPLAIN_HEADER) == "1"
+        call = _Call(request_id, arrived, slo_ms, job, ident, chain, hashes, mode, explain=explain)
         self.prepare_sum.inc(time.perf_counter() - arrived)
         self._finishes.hold()  # no Finish competes with this request for its answer
         try:
@@ -537,10 +552,21 @@ class Gateway:
             headers["x-quillcache-est-ttft-ms"] = f"{plan.est_ttft_ms:.3f}"
             headers["x-quillcache-plan-us"] = str(plan.plan_us)
             headers.update(answer_headers(plan, call.notes))  # disagg.py
+        replica = "" if is_fallback(plan) else (self.conductor.owner(plan.reservation_id) or "?")
+        prediction = predict(
+            plan.engine_id,
+            replica,
+            plan.hit_blocks,
+            plan.fetch_blocks,
+            plan.est_ttft_ms,
+            block_size,
+            len(job.tokens),
+            self.catalog.engine_block_size(plan.engine_id),
+        )
         try:
             if upstream.status != 200 or not job.stream:
-                return await self._whole(request, upstream, plan, headers, call)
-            return await self._stream(request, upstream, plan, headers, call)
+                return await self._whole(request, upstream, plan, headers, call, prediction)
+            return await self._stream(request, upstream, plan, headers, call, prediction)
         except BaseException as exc:
             # However the answer ended early (the client hung up: the handler was
             # cancelled or a write failed), its reservation is finished; once.
@@ -566,6 +592,10 @@ class Gateway:
                     job.payload,
                     call.ident,
                     engine_plan.plan_json(plan, call.ident.identity, call.block_size, call.hashes),
+                    # A stream's usage tells what the engine delivered (delivered.py).
+                    None
+                    if not job.stream or wants_usage(job.payload)
+                    else asking_usage(job.payload),
                 )
                 upstream = await self.upstream.post(
                     plan.engine_base_url.rstrip("/"),
@@ -597,7 +627,9 @@ class Gateway:
             code="no_engine_available",
         )
 
-    async def _whole(self, request, upstream, plan, headers, call: _Call) -> web.Response:
+    async def _whole(
+        self, request, upstream, plan, headers, call: _Call, prediction: Prediction
+    ) -> web.Response:
         """A non-streamed answer (or an engine's error): read it, answer, then Finish."""
         try:
             data = await upstream.read_all()
@@ -616,6 +648,10 @@ class Gateway:
         if not ok:
             self.upstream_failures.inc(phase="status")
         self._timed(ttft_s, call.slo_ms)
+        cached = None
+        if ok:
+            data, cached = whole_body(data, prediction if call.explain else None)
+            self.delivery.count(request, Delivery(prediction, cached, None))
         headers["Content-Type"] = upstream.headers.get("content-type", "application/json")
         resp = web.Response(status=upstream.status, body=data, headers=headers)
         try:
@@ -624,10 +660,12 @@ class Gateway:
         except (ConnectionError, asyncio.CancelledError):
             self._finish_later(plan, CANCELLED, ttft_s, call, observe=False)
             raise
-        self._finish_later(plan, SUCCESS if ok else ERROR, ttft_s, call, observe=ok)
+        self._finish_later(plan, SUCCESS if ok else ERROR, ttft_s, call, observe=ok, cached=cached)
         return resp
 
-    async def _stream(self, request, upstream, plan, headers, call: _Call) -> web.StreamResponse:
+    async def _stream(
+        self, request, upstream, plan, headers, call: _Call, prediction: Prediction
+    ) -> web.StreamResponse:
         headers["Content-Type"] = "text/event-stream"
         headers["Cache-Control"] = "no-cache"
         resp = web.StreamResponse(status=200, headers=headers)
@@ -636,6 +674,8 @@ class Gateway:
         ttft_s = 0.0
         tail = b"\n\n"
         read = upstream.read
+        explain = prediction if call.explain else None
+        tap = StreamTap(keep_usage=wants_usage(call.job.payload), explain=explain)
         try:
             while True:
                 try:
@@ -648,20 +688,29 @@ class Gateway:
                         # The engine failed or closed early: end with an error event.
                         outcome = ERROR
                         self.upstream_failures.inc(phase="stream")
-                        await resp.write(error_event(tail, plan.engine_id))
+                        await resp.write(tap.flush() + error_event(tail, plan.engine_id))
+                    else:
+                        await resp.write(tap.flush())
                     break
                 if not ttft_s:
                     ttft_s = time.perf_counter() - call.arrived
                     self._timed(ttft_s, call.slo_ms)
                     self._prefilled(plan, ttft_s)
+                    tap.ttft_ms = ttft_s * 1000
                 tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
-                await resp.write(chunk)
+                shaped = tap.feed(chunk)
+                if shaped:
+                    await resp.write(shaped)
             with contextlib.suppress(ConnectionError):
                 await resp.write_eof()
         except (ConnectionError, asyncio.CancelledError):
             self._finish_later(plan, CANCELLED, ttft_s, call, observe=False)  # client left
             raise
-        self._finish_later(plan, outcome, ttft_s, call, observe=outcome == SUCCESS)
+        if outcome == SUCCESS:
+            self.delivery.count(request, Delivery(prediction, tap.cached, ttft_s * 1000))
+        self._finish_later(
+            plan, outcome, ttft_s, call, observe=outcome == SUCCESS, cached=tap.cached
+        )
         return resp
 
     def _timed(self, ttft_s: float, slo_ms: int) -> None:
@@ -683,8 +732,18 @@ class Gateway:
             )
         )
 
-    def _finish_later(self, plan, outcome, ttft_s: float, call: _Call, *, observe: bool) -> None:
-        """Queue Finish; with `observe`, the prompt's blocks are recorded on the engine.
+    def _finish_later(
+        self,
+        plan,
+        outcome,
+        ttft_s: float,
+        call: _Call,
+        *,
+        observe: bool,
+        cached: int | None = None,
+    ) -> None:
+        """Queue Finish; with `observe`, the prompt's blocks are recorded on the engine,
+        and `cached` (the tokens the engine reported cached) corrects its residency.
 
         A plan is finished once: later calls for it (an exit path's catch-all) do nothing.
         """
@@ -697,4 +756,6 @@ class Gateway:
             finish.identity.CopyFrom(call.ident.finish_identity)
             finish.observe_packed_hashes = call.packed
             finish.observe_block_tokens = call.block_size
+            if cached is not None:
+                finish.delivered_cached_tokens = cached
         self._finishes.submit(finish)

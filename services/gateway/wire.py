@@ -10,17 +10,26 @@ from quillcache_core.wire.engine_plan import FIELD as PLAN_FIELD
 from quillcache_core.wire.engine_plan import attach
 
 
-def upstream_body(raw: bytes, payload: dict, ident, plan: dict) -> bytes:
-    """The client's JSON body with `cache_salt` and `kv_transfer_params.quillcache` set.
+def upstream_body(
+    raw: bytes, payload: dict, ident, plan: dict, stream_options: dict | None = None
+) -> bytes:
+    """The client's JSON body with `cache_salt` and `kv_transfer_params.quillcache` set,
+    and `stream_options` instead of the client's when given.
 
-    The usual body has neither field: the two are spliced in before the closing brace,
-    so the client's bytes are forwarded without re-encoding. A body that has either
-    (the salt is always the tenant's, never the client's) is re-encoded.
+    The usual body has none of these fields: they are spliced in before the closing
+    brace, so the client's bytes are forwarded without re-encoding. A body that has
+    either of the first two (the salt is always the tenant's, never the client's), or
+    stream options to replace, is re-encoded.
     """
-    if "cache_salt" not in payload and "kv_transfer_params" not in payload:
+    replaces_options = stream_options is not None and "stream_options" in payload
+    if "cache_salt" not in payload and "kv_transfer_params" not in payload and not replaces_options:
         plan_json = json.dumps(plan, separators=(",", ":")).encode()
         head = raw[: raw.rindex(b"}")].rstrip()
         sep = b"" if head.endswith(b"{") else b","
+        if stream_options is not None:
+            options = json.dumps(stream_options, separators=(",", ":")).encode()
+            head += sep + b'"stream_options":' + options
+            sep = b","
         return b"".join(
             (
                 head,
@@ -34,6 +43,8 @@ def upstream_body(raw: bytes, payload: dict, ident, plan: dict) -> bytes:
         )
     body = dict(payload)
     body["cache_salt"] = ident.identity.cache_salt
+    if stream_options is not None:
+        body["stream_options"] = stream_options
     return json.dumps(attach(body, plan), separators=(",", ":")).encode()
 
 

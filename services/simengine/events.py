@@ -168,6 +168,8 @@ class KvEventPublisher:
         self.batches_sent = 0
         self.batches_dropped = 0
         self.replays_served = 0
+        # Tests: batches are numbered and kept for replay but not sent (lost on the way).
+        self.losing = False
 
     @property
     def next_seq(self) -> int:
@@ -217,7 +219,7 @@ class KvEventPublisher:
         seq = self._next_seq
         self._next_seq += 1
         self._buffer.append((seq, payload))
-        if self._pub is None:
+        if self._pub is None or self.losing:
             return seq
         try:
             self._pub.send_multipart(

@@ -177,6 +177,18 @@ class PrefixCache:
             result.pinned.append(block.engine_hash)
         return result
 
+    def hottest(self, limit: int) -> list[CachedBlock]:
+        """Up to `limit` cached blocks, hottest first: those in use, then the unpinned
+        ones most recently released."""
+        pinned = [b for b in self._blocks.values() if b.refs > 0]
+        recent = (self._blocks[h] for h in reversed(self._free))
+        out = pinned[:limit]
+        for block in recent:
+            if len(out) >= limit:
+                break
+            out.append(block)
+        return out
+
     def clear(self) -> int:
         """Drop every block (vLLM's reset_prefix_cache); returns how many there were."""
         count = len(self._blocks)

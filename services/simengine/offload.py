@@ -65,6 +65,8 @@ class StoreLike(Protocol):
         self, key: KvBlockKey, *, allow_remote: bool = False
     ) -> tuple[bytes, CacheTier]: ...
 
+    async def exists(self, keys: Sequence[KvBlockKey]) -> list[CacheTier | None]: ...
+
     async def close(self) -> None: ...
 
 
@@ -249,6 +251,18 @@ class BlockMover:
         stored = await self._put_blocks(keys)
         self.stats.stored_through += stored
         return stored
+
+    async def missing(self, keys: Sequence[KvBlockKey]) -> list[KvBlockKey]:
+        """The blocks among `keys` the own store node lacks (all of them when it cannot
+        be asked: a save of a block it has is only a wasted put)."""
+        if not self.enabled or not keys:
+            return []
+        try:
+            found = await self.client(self.own_address).exists(list(keys))
+        except QuillCacheError as exc:
+            log.warning("could not ask the store which of %d blocks it has: %s", len(keys), exc)
+            return list(keys)
+        return [key for key, tier in zip(keys, found, strict=True) if tier is None]
 
     def save_later(self, keys: list[KvBlockKey]) -> bool:
         """Queue a prompt's newly computed blocks for a background save to the own store

@@ -7,10 +7,17 @@ HTTP routes (one port):
   `x-sim-engine`, `x-sim-hit-blocks`, `x-sim-fetched-blocks`, `x-sim-recomputed-blocks`.
 - GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /sim/stats (JSON),
   POST /reset_prefix_cache (AllBlocksCleared).
+- POST /sim/events (tests; the credential): `{"lose": true}` numbers and keeps the
+  KV event batches for replay but sends none, as if each were lost on the way, until
+  `{"lose": false}`.
 - POST /sim/settings (benchmarks; the credential or the plain listener): change the
   engine's role, timing and KV block shape in place (`SETTABLE`), re-registered; the
   answer lists them all. Lets one set of engines serve a benchmark's runs of several
   shapes (colocated, then split) without a restart.
+- POST /sim/drain (the operator's certificate, or the credential): take the engine out
+  of service without losing its cache (see `drain`). `{"phase": "save", "save_blocks":
+  N}` saves its N hottest blocks the pool lacks (default all it holds) and names them;
+  `{"phase": "stop", "timeout_s": T}` answers once it is drained (T default 60).
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ from quillcache_core.identity.tokenize import BuiltinTokenizer, Tokenizer, load_
 from quillcache_core.process.metrics import MetricsRegistry
 from quillcache_core.registry import NodeRecord, NodeRegistry, open_registry
 from quillcache_core.registry.records import record_data_address
+from quillcache_core.security.tls import role_of_cert
 from quillcache_core.storeclient.datapath.batch import BlockBatches
 from quillcache_simengine.completions import CompletionRoutes, json_error
 from quillcache_simengine.config import STORE_WRITES, SimEngineConfig
+from quillcache_simengine.drain import Drainer
 from quillcache_simengine.engine import SimEngine
 from quillcache_simengine.events import KvEventPublisher
 from quillcache_simengine.kvcache import PrefixCache
@@ -135,6 +144,7 @@ class SimEngineServer:
             seed=_seed(config),
             role=config.role,
         )
+        self.drainer = Drainer(self.engine.cache, self.mover, self.scheduler, self._set_state)
         self.metrics = MetricsRegistry(prefix="quillcache_sim_")
         self.vllm_metrics = MetricsRegistry(prefix="vllm:")
         self._requests = self.metrics.counter(
@@ -178,6 +188,7 @@ class SimEngineServer:
             start_time_s=self.started_at,
             block_size=c.block_size,
             role=c.role,
+            state=self.drainer.report.state,
             extra={
                 "engine_kind": "mock",
                 "hbm_blocks": c.hbm_blocks,
@@ -201,9 +212,11 @@ class SimEngineServer:
                 web.get("/metrics", self.render_metrics),
                 web.get("/sim/stats", self.sim_stats),
                 web.post("/reset_prefix_cache", self.reset_prefix_cache),
+                web.post("/sim/events", self.events),
                 web.get("/sim/settings", self.settings),
                 web.post("/sim/settings", self.settings),
                 web.post("/tokenize", self.routes.tokenize),
+                web.post("/sim/drain", self.drain),
             ]
         )
         self._runner = web.AppRunner(app, access_log=None)
@@ -379,12 +392,18 @@ class SimEngineServer:
             self._auth
             and request.path not in OPEN_PATHS
             and not self._on_plain_listener(request)
+            and not (request.path == "/sim/drain" and self._peer_role(request) == "operator")
             and not hmac.compare_digest(
                 request.headers.get("Authorization", "").encode(), self._auth.encode()
             )
         ):
             raise ApiError(401, "this engine serves only the gateway: bad or no credential")
         return await handler(request)
+
+    @staticmethod
+    def _peer_role(request: web.Request) -> str | None:
+        transport = request.transport
+        return role_of_cert(transport.get_extra_info("peercert") if transport else None)
 
     def _on_plain_listener(self, request: web.Request) -> bool:
         sockname = request.transport.get_extra_info("sockname") if request.transport else None
@@ -438,6 +457,17 @@ class SimEngineServer:
         cleared = self.engine.reset_prefix_cache()
         return web.json_response({"status": "ok", "cleared_blocks": cleared})
 
+    async def events(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "the body must be a JSON object") from None
+        if not isinstance(body, dict) or set(body) != {"lose"} or type(body["lose"]) is not bool:
+            raise ApiError(400, 'the body must be {"lose": true} or {"lose": false}')
+        self.publisher.losing = body["lose"]
+        logger.info("sim engine %s its KV events", "loses" if body["lose"] else "sends")
+        return web.json_response({"lose": self.publisher.losing})
+
     async def settings(self, request: web.Request) -> web.Response:
         """GET: the settable settings; POST a JSON object of some: applied at once (the
         running requests keep their booked times), re-registered when the record changes."""
@@ -464,6 +494,48 @@ class SimEngineServer:
                 raise ApiError(400, str(exc)) from None
             await self.apply(config)
         return web.json_response({name: getattr(self.config, name) for name in SETTABLE})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """A drain's phase (see `drain`): "save" names the blocks saved, "stop" answers
+        with the drain's report once drained."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "the body must be a JSON object") from None
+        if not isinstance(body, dict) or set(body) - {"phase", "save_blocks", "timeout_s"}:
+            raise ApiError(400, "the body may hold only phase, save_blocks and timeout_s")
+        phase = body.get("phase")
+        save_blocks = body.get("save_blocks", self.config.hbm_blocks)
+        timeout_s = body.get("timeout_s", 60.0)
+        if phase not in ("save", "stop"):
+            raise ApiError(400, "phase must be save or stop")
+        if type(save_blocks) is not int or save_blocks < 0:
+            raise ApiError(400, "save_blocks must be a non-negative integer")
+        if type(timeout_s) not in (int, float) or not 0 <= timeout_s <= 3600:
+            raise ApiError(400, "timeout_s must be a number of seconds in [0, 3600]")
+        if phase == "stop":
+            report = await self.drainer.stop(float(timeout_s))
+            return web.json_response({"engine_id": self.config.node_id, **asdict(report)})
+        saved = await self.drainer.save(save_blocks)
+        groups: dict[tuple, dict[str, Any]] = {}  # per identity: the hashes saved
+        for key in saved:
+            scope = key.scope()
+            group = groups.setdefault(scope, {**asdict(scope), "block_hashes": []})
+            group["block_hashes"].append(key.block_hash)
+        return web.json_response(
+            {
+                "engine_id": self.config.node_id,
+                **asdict(self.drainer.report),
+                "saved": list(groups.values()),
+            }
+        )
+
+    async def _set_state(self, state: str) -> None:
+        """Rewrite the registry record with the drain's state (the record names it)."""
+        if self.registry is not None:
+            await self.registry.register(self.record(), self.config.lease_ttl_s)
+            self._registered = True
+        logger.info("engine %s now %s", self.config.node_id, state)
 
     async def apply(self, config: SimEngineConfig) -> None:
         """Run under `config` from now on (only SETTABLE fields may differ)."""

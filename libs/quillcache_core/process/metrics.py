@@ -1,4 +1,4 @@
-"""A small Prometheus text-format registry: counters and gauges with labels.
+"""A small Prometheus text-format registry: counters, gauges and histograms with labels.
 
 Not thread-safe: each service updates its metrics from its event loop. Gauges may be
 backed by a callable read at scrape time, so live values are never stale.
@@ -6,6 +6,7 @@ backed by a callable read at scrape time, so live values are never stale.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable
 
 
@@ -89,6 +90,58 @@ class Gauge(_Metric):
         return self.values.items()
 
 
+class Histogram(_Metric):
+    """Observations counted into fixed buckets (upper bounds, ascending), with their sum.
+
+    Rendered as Prometheus does: cumulative `_bucket{le=...}` lines ending in `+Inf`,
+    then `_sum` and `_count`, per label set. Memory is buckets x label sets.
+    """
+
+    kind = "histogram"
+
+    def __init__(
+        self, name: str, help_text: str, buckets: Iterable[float], labels: Iterable[str] = ()
+    ) -> None:
+        super().__init__(name, help_text, labels)
+        self.buckets = tuple(sorted(float(b) for b in buckets))
+        if not self.buckets:
+            raise ValueError(f"{name} needs at least one bucket")
+        self.counts: dict[tuple[str, ...], list[int]] = {}
+        self.sums: dict[tuple[str, ...], float] = {}
+
+    def observe(self, value: float, **labels: str) -> None:
+        key = self._key(labels)
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = [0] * (len(self.buckets) + 1)
+            self.sums[key] = 0.0
+        counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sums[key] += value
+
+    def count(self, **labels: str) -> int:
+        """Observations so far under these labels."""
+        return sum(self.counts.get(self._key(labels), ()))
+
+    def sum(self, **labels: str) -> float:
+        return self.sums.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        names = self.label_names
+        for key in sorted(self.counts):
+            counts = self.counts[key]
+            running = 0
+            for bound, n in zip((*self.buckets, float("inf")), counts, strict=True):
+                running += n
+                le = "+Inf" if bound == float("inf") else _number(bound)
+                labels = _labels((*names, "le"), (*key, le))
+                lines.append(f"{self.name}_bucket{labels} {running}")
+            labels = _labels(names, key)
+            lines.append(f"{self.name}_sum{labels} {_number(self.sums[key])}")
+            lines.append(f"{self.name}_count{labels} {running}")
+        return lines
+
+
 class MetricsRegistry:
     def __init__(self, prefix: str = "quillcache_") -> None:
         self.prefix = prefix
@@ -101,6 +154,13 @@ class MetricsRegistry:
 
     def gauge(self, name: str, help_text: str, labels: Iterable[str] = (), read=None) -> Gauge:
         metric = Gauge(self.prefix + name, help_text, labels, read)
+        self._metrics.append(metric)
+        return metric
+
+    def histogram(
+        self, name: str, help_text: str, buckets: Iterable[float], labels: Iterable[str] = ()
+    ) -> Histogram:
+        metric = Histogram(self.prefix + name, help_text, buckets, labels)
         self._metrics.append(metric)
         return metric
 

@@ -31,6 +31,11 @@ NodeKey = tuple[str, str]
 # that KV and generate; `both` (the default) do either, or a whole request.
 ENGINE_ROLES = ("prefill", "decode", "both")
 
+# Where an engine is in its life (scale-in): `serving` takes requests; `draining` takes
+# no new one while it saves its hot KV to the pool and finishes what it runs; `drained`
+# is done and takes no traffic. Only the engine (its role) writes its record.
+ENGINE_STATES = ("serving", "draining", "drained")
+
 
 # --------------------------------------------------------------------------- keys
 
@@ -82,6 +87,7 @@ _STR_FIELDS = (
     "version",
     "data_address",
     "role",
+    "state",
 )
 
 
@@ -110,6 +116,7 @@ class NodeRecord:
     data_address: str = ""  # host:port of a store's raw TCP block-data port, or ""
     block_size: int = 0  # an engine's KV block size in tokens (0 = not said)
     role: str = "both"  # an engine's disaggregation role: one of ENGINE_ROLES
+    state: str = "serving"  # an engine's life: one of ENGINE_STATES
     # The TTL of the lease its owner keeps, written by the registry on each renewal (see
     # `registry.renewals`); 0 for a writer that promises no renewals (etcdctl, older
     # nodes). Not part of a record's identity: the same node on another TTL is equal.
@@ -123,6 +130,11 @@ class NodeRecord:
             raise InvalidArgument(
                 f"node {self.kind}/{self.id}: role must be one of {', '.join(ENGINE_ROLES)},"
                 f" got {self.role!r}"
+            )
+        if self.state not in ENGINE_STATES:
+            raise InvalidArgument(
+                f"node {self.kind}/{self.id}: state must be one of {', '.join(ENGINE_STATES)},"
+                f" got {self.state!r}"
             )
 
     @property
@@ -161,7 +173,7 @@ class NodeRecord:
                     continue
                 if not isinstance(value, str):
                     raise InvalidArgument(f"node {kind}/{id}: {name} must be a string")
-                if name == "role" and not value:
+                if name in ("role", "state") and not value:
                     continue  # unset: the default
                 values[name] = value
             elif name in ("capacity_bytes", "block_size"):

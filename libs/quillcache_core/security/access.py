@@ -33,6 +33,8 @@ RULES: dict[str, frozenset[str]] = {
         {"gateway", "store", "transfer", "engine", "operator"}
     ),
     "/quillcache.v1.Conductor/Stats": ANY_COMPONENT,
+    # Scale-in is the operator's.
+    "/quillcache.v1.Conductor/Drain": frozenset({"operator"}),
     # Replicas stream each other's reservations.
     "/quillcache.v1.ConductorReplica/Sync": frozenset({"conductor"}),
     # A store: blocks are read and written by engines (their KV connector), by other

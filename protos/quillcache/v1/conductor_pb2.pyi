@@ -8,6 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DrainRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("engine_id", "inflight_requests", "state")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    inflight_requests: int
+    state: str
+    def __init__(self, engine_id: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
 class PlanRequest(_message.Message):
     __slots__ = ("request_id", "identity", "blocks", "prompt_tokens", "expected_decode_tokens", "slo", "exclude_engines", "packed_hashes", "block_tokens", "block_bytes", "action_runs", "max_others", "disagg", "reports_first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -153,7 +169,7 @@ class PlanResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., engine_base_url: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[BlockAction, _Mapping]]] = ..., est_ttft_ms: _Optional[float] = ..., chosen: _Optional[_Union[EngineCost, _Mapping]] = ..., others: _Optional[_Iterable[_Union[EngineCost, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., policy: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., recompute_blocks: _Optional[int] = ..., plan_us: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., prefill_engine_base_url: _Optional[str] = ..., prefill_reservation_id: _Optional[str] = ..., prefill_store_node: _Optional[str] = ..., decode_store_node: _Optional[str] = ..., disagg: _Optional[str] = ..., disagg_reason: _Optional[str] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
-    __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks", "observe_packed_hashes", "observe_block_tokens", "transfer_bytes", "transfer_bytes_per_s", "transfer_blocks")
+    __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks", "observe_packed_hashes", "observe_block_tokens", "transfer_bytes", "transfer_bytes_per_s", "transfer_blocks", "delivered_cached_tokens")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OUTCOME_UNSPECIFIED: _ClassVar[FinishRequest.Outcome]
@@ -177,6 +193,7 @@ class FinishRequest(_message.Message):
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     outcome: FinishRequest.Outcome
     ttft_ms: float
@@ -188,7 +205,8 @@ class FinishRequest(_message.Message):
     transfer_bytes: int
     transfer_bytes_per_s: float
     transfer_blocks: int
-    def __init__(self, reservation_id: _Optional[str] = ..., outcome: _Optional[_Union[FinishRequest.Outcome, str]] = ..., ttft_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., observe_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., observe_packed_hashes: _Optional[bytes] = ..., observe_block_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ..., transfer_blocks: _Optional[int] = ...) -> None: ...
+    delivered_cached_tokens: int
+    def __init__(self, reservation_id: _Optional[str] = ..., outcome: _Optional[_Union[FinishRequest.Outcome, str]] = ..., ttft_ms: _Optional[float] = ..., output_tokens: _Optional[int] = ..., identity: _Optional[_Union[_common_pb2.Identity, _Mapping]] = ..., observe_blocks: _Optional[_Iterable[_Union[_common_pb2.BlockRef, _Mapping]]] = ..., observe_packed_hashes: _Optional[bytes] = ..., observe_block_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_bytes_per_s: _Optional[float] = ..., transfer_blocks: _Optional[int] = ..., delivered_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class FinishResponse(_message.Message):
     __slots__ = ("released",)
@@ -371,7 +389,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("engine_id", "base_url", "locality_domain", "inflight_requests", "queued_prefill_tokens", "resident_blocks", "store_node", "model", "tokenizer", "role")
+    __slots__ = ("engine_id", "base_url", "locality_domain", "inflight_requests", "queued_prefill_tokens", "resident_blocks", "store_node", "model", "tokenizer", "role", "block_size")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
     LOCALITY_DOMAIN_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +400,7 @@ class EngineStats(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     base_url: str
     locality_domain: str
@@ -392,7 +411,8 @@ class EngineStats(_message.Message):
     model: str
     tokenizer: str
     role: str
-    def __init__(self, engine_id: _Optional[str] = ..., base_url: _Optional[str] = ..., locality_domain: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., store_node: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    block_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., base_url: _Optional[str] = ..., locality_domain: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., store_node: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., role: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("policy", "index_backend", "resident_records", "resident_bytes", "plans", "events_applied", "events_rejected", "reservations_open", "reservations_expired", "engines", "guard_refusals", "plan_address", "block_tokens")

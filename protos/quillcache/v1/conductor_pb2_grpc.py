@@ -70,6 +70,11 @@ class ConductorStub:
                 request_serializer=quillcache_dot_v1_dot_conductor__pb2.StatsRequest.SerializeToString,
                 response_deserializer=quillcache_dot_v1_dot_conductor__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/quillcache.v1.Conductor/Drain',
+                request_serializer=quillcache_dot_v1_dot_conductor__pb2.DrainRequest.SerializeToString,
+                response_deserializer=quillcache_dot_v1_dot_conductor__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class ConductorServicer:
@@ -128,6 +133,15 @@ class ConductorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Plan no new request to an engine (scale-in; the operator's): idempotent, so asked
+        again it reports the engine's requests still open on this replica. NOT_FOUND for
+        an engine this replica does not know.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ConductorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +179,11 @@ def add_ConductorServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=quillcache_dot_v1_dot_conductor__pb2.StatsRequest.FromString,
                     response_serializer=quillcache_dot_v1_dot_conductor__pb2.StatsResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=quillcache_dot_v1_dot_conductor__pb2.DrainRequest.FromString,
+                    response_serializer=quillcache_dot_v1_dot_conductor__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +376,33 @@ class Conductor:
             '/quillcache.v1.Conductor/Stats',
             quillcache_dot_v1_dot_conductor__pb2.StatsRequest.SerializeToString,
             quillcache_dot_v1_dot_conductor__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quillcache.v1.Conductor/Drain',
+            quillcache_dot_v1_dot_conductor__pb2.DrainRequest.SerializeToString,
+            quillcache_dot_v1_dot_conductor__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
