@@ -7,11 +7,9 @@ reset the conductor never heard of (its events lost on the way) is counted as
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 
 import pytest
-import zmq
 
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.launch.vllm_engine import free_port
@@ -19,51 +17,17 @@ from quillcache_core.security.credentials import tenant_context
 from tests.e2e.test_vllm import BIG, INDEX_BLOCK, env, post, settled, text  # noqa: F401
 from tests.integration.test_delivered_hits import conductor_metric, gateway_metric
 from tests.support.services import wait_until
+from tests.support.zmq_relay import DroppingRelay
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ENGINE = "engine-0"
 
 
-class LossyRelay:
-    """vLLM's KV events on their way to the conductor (SUB -> PUB), all of them lost
-    while `losing` is set: the conductor sees no gap, so it replays nothing."""
-
-    def __init__(self, upstream: str, downstream_port: int) -> None:
-        self.losing = False
-        self._stop = threading.Event()
-        self._ctx = zmq.Context()
-        self._args = (upstream, f"tcp://127.0.0.1:{downstream_port}")
-        self._thread = threading.Thread(target=self._run, name="lossy-relay", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        sub, pub = self._ctx.socket(zmq.SUB), self._ctx.socket(zmq.PUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for sock in (sub, pub):
-            sock.setsockopt(zmq.LINGER, 0)
-        sub.connect(self._args[0])
-        pub.bind(self._args[1])
-        try:
-            while not self._stop.is_set():
-                if sub.poll(100):
-                    frames = sub.recv_multipart()
-                    if not self.losing:
-                        pub.send_multipart(frames)
-        finally:
-            sub.close()
-            pub.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._ctx.term()
-
-
 @pytest.fixture(scope="module")
 def fleet(env, tmp_path_factory):  # noqa: F811 (env: test_vllm's fixture)
     events_port, relay_port = free_port(), free_port()
-    relay = LossyRelay(f"tcp://127.0.0.1:{events_port}", relay_port)
+    relay = DroppingRelay(f"tcp://127.0.0.1:{events_port}", relay_port).start()
     cluster = LocalCluster(
         tmp_path_factory.mktemp("vllm-delivered"),
         engines=1,

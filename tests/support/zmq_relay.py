@@ -1,8 +1,9 @@
-"""A ZMQ relay that can drop one message: a network fault between a publisher and us.
+"""A ZMQ relay that can drop messages: a network fault between a publisher and us.
 
 SUB (connected to the real publisher) -> PUB (bound where the subscriber is told the
 publisher is). `drop_next()` makes it swallow the next message whole, as a lost packet
-or a subscriber's overflowing queue would; everything else passes unchanged.
+or a subscriber's overflowing queue would; while `losing` is set it swallows every
+message; everything else passes unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class DroppingRelay:
         self.downstream = f"tcp://127.0.0.1:{downstream_port}"
         self.forwarded = 0
         self.dropped = 0
+        self.losing = False
         self._drop = threading.Event()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
@@ -43,7 +45,7 @@ class DroppingRelay:
                 if not sub.poll(100):
                     continue
                 frames = sub.recv_multipart()
-                if self._drop.is_set():
+                if self._drop.is_set() or self.losing:
                     self._drop.clear()
                     self.dropped += 1
                     continue
