@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from quillcache_core.identity.keys import request_blocks
 from quillcache_core.model import MIB, CacheResidency, CacheTier, RequestShape, WorkerState
+from quillcache_core.registry import NodeRecord
 
 MODEL = "llama-3-8b"
 TOKENIZER = "llama-3"
@@ -62,3 +63,27 @@ def engine(id_: str, domain: str = "rack-a", store: str | None = None, **load) -
     for name, value in load.items():
         setattr(worker, name, value)
     return worker
+
+
+def engine_record(
+    node: str,
+    *,
+    events: bool = False,
+    start_time_s: float = 100.0,
+    store_node: str = "",
+    state: str = "serving",
+) -> NodeRecord:
+    """An engine's registry record serving MODEL (its KV events over ZMQ if `events`)."""
+    return NodeRecord(
+        kind="engine",
+        id=node,
+        address="",
+        locality_domain="rack-a",
+        base_url=f"http://{node}",
+        model=MODEL,
+        tokenizer=TOKENIZER,
+        start_time_s=start_time_s,
+        kv_events_endpoint=f"tcp://{node}:5557" if events else "",
+        store_node=store_node,
+        state=state,
+    )

@@ -17,10 +17,9 @@ from quillcache_core.errors import InvalidArgument
 from quillcache_core.index import MemoryIndex
 from quillcache_core.model import CostModel
 from quillcache_core.process.metrics import MetricsRegistry
-from quillcache_core.registry import NodeRecord
 from quillcache_core.routing.planner import CostPlanner
 from quillcache_core.wire.plan import pack_hashes
-from tests.unit.factories import MODEL, TENANT, TOKENIZER, make_request
+from tests.unit.factories import MODEL, TENANT, TOKENIZER, engine_record, make_request
 
 pytestmark = pytest.mark.unit
 
@@ -33,27 +32,13 @@ class Clock:
         return self.now
 
 
-def engine_record(node: str, events: bool, start_time_s: float = 100.0) -> NodeRecord:
-    return NodeRecord(
-        kind="engine",
-        id=node,
-        address="",
-        locality_domain="rack-a",
-        base_url=f"http://{node}",
-        model=MODEL,
-        tokenizer=TOKENIZER,
-        start_time_s=start_time_s,
-        kv_events_endpoint=f"tcp://{node}:5557" if events else "",
-    )
-
-
 def make_state(events: bool = True) -> tuple[ConductorState, Clock]:
     clock = Clock()
     state = ConductorState(
         MemoryIndex(), CostPlanner(CostModel()), clock=clock, rng=random.Random(1)
     )
     for node in ("e0", "e1"):
-        state.engine_joined(engine_record(node, events))
+        state.engine_joined(engine_record(node, events=events))
     return state, clock
 
 

@@ -14,24 +14,9 @@ from quillcache_core.model import CacheResidency, CacheTier, CostModel
 from quillcache_core.registry import NodeRecord
 from quillcache_core.routing.planner import CostPlanner
 from quillcache_simengine.kvcache import CachedBlock, PrefixCache
-from tests.unit.factories import MODEL, TOKENIZER, make_request
+from tests.unit.factories import engine_record, make_request
 
 pytestmark = pytest.mark.unit
-
-
-def engine_record(node: str, state: str = "serving") -> NodeRecord:
-    return NodeRecord(
-        kind="engine",
-        id=node,
-        address="",
-        locality_domain="rack-a",
-        base_url=f"http://{node}",
-        model=MODEL,
-        tokenizer=TOKENIZER,
-        start_time_s=100.0,
-        store_node="s0",
-        state=state,
-    )
 
 
 def make_state() -> ConductorState:
@@ -39,7 +24,7 @@ def make_state() -> ConductorState:
         MemoryIndex(), CostPlanner(CostModel()), clock=lambda: 1000.0, rng=random.Random(1)
     )
     for node in ("e0", "e1"):
-        state.engine_joined(engine_record(node))
+        state.engine_joined(engine_record(node, store_node="s0"))
     state.store_joined(NodeRecord(kind="store", id="s0", address="s0:1", locality_domain="rack-a"))
     return state
 
@@ -66,9 +51,9 @@ def test_an_engine_whose_record_says_draining_gets_no_plan_on_any_replica():
     state = make_state()
     request = make_request(8)
     hold(state, request, "e1", CacheTier.HBM)
-    state.engine_joined(engine_record("e1", state="draining"))
+    state.engine_joined(engine_record("e1", store_node="s0", state="draining"))
     assert {state.plan(make_request(8, seed=s)).decision.engine.id for s in range(20)} == {"e0"}
-    state.engine_joined(engine_record("e1", state="drained"))
+    state.engine_joined(engine_record("e1", store_node="s0", state="drained"))
     assert state.plan(request).decision.engine.id == "e0"
 
 
@@ -85,13 +70,15 @@ def test_draining_an_unknown_engine_is_not_found_and_a_new_run_serves_again():
         state.drain("nope")
     state.drain("e0")
     assert state.drains.state_of(state.engines["e0"].record) == "draining"
-    restarted = NodeRecord(**{**engine_record("e0").__dict__, "start_time_s": 200.0})
+    restarted = NodeRecord(
+        **{**engine_record("e0", store_node="s0").__dict__, "start_time_s": 200.0}
+    )
     state.engine_joined(restarted)
     assert state.drains.state_of(state.engines["e0"].record) == "serving"
 
 
 def test_an_engine_records_state_round_trips_and_a_bad_one_is_refused():
-    record = engine_record("e0", state="draining")
+    record = engine_record("e0", store_node="s0", state="draining")
     assert NodeRecord.from_json("engine", "e0", record.to_json()).state == "draining"
     assert NodeRecord.from_json("engine", "e0", b'{"base_url": "x"}').state == "serving"
     with pytest.raises(InvalidArgument, match="state must be one of"):

@@ -9,8 +9,8 @@ import pytest
 from quillcache_conductor.peer_load import ClosedLoad, PeerLoad
 from quillcache_conductor.records import OPTIMISTIC_LINGER_S
 from quillcache_conductor.replica_sync import ReplicaLog, _opened_to_proto, opened_from_proto
-from tests.unit.factories import make_request
-from tests.unit.test_conductor_optimistic import engine_record, make_state
+from tests.unit.factories import engine_record, make_request
+from tests.unit.test_conductor_optimistic import make_state
 
 pytestmark = pytest.mark.unit
 
@@ -160,7 +160,7 @@ def test_an_engine_restart_ends_the_peers_overlay_on_it():
     a, b, peers, _ = pair()
     running = a.plan(make_request(8, seed=1))
     engine = running.decision.engine.id
-    b.engine_joined(engine_record(engine, True, start_time_s=200.0))  # a new run
+    b.engine_joined(engine_record(engine, events=True, start_time_s=200.0))  # a new run
     peers.engine_restarted(engine)
     assert not b.optimistic
     assert load(b, engine)[0] == 1  # its request is still counted until A closes it

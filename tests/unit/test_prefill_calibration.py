@@ -24,8 +24,8 @@ from quillcache_core.routing.calibrate import (
     scaled,
 )
 from quillcache_core.routing.planner import CostPlanner
-from tests.unit.factories import MODEL, make_request
-from tests.unit.test_conductor_optimistic import Clock, engine_record
+from tests.unit.factories import MODEL, engine_record, make_request
+from tests.unit.test_conductor_optimistic import Clock
 
 pytestmark = pytest.mark.unit
 
