@@ -28,9 +28,9 @@ translator applies in bulk, and which reads like a DecodedBatch through `events`
 Receiving never waits on applying: libzmq's I/O thread keeps reading the socket into
 its receive queue (bounded by `rcvhwm` messages; past it the publisher drops and the
 gap is replayed), and each wake-up of the subscriber task takes up to
-`max_batches_per_wake` queued messages at once, non-blocking, before yielding to the
-event loop again, so a backlog costs one await per chunk rather than per message
-and other tasks (Plan RPCs) still run between chunks.
+`max_batches_per_wake` queued messages at once, non-blocking (one future for the
+chunk, not one per message), and applies them one a turn of the event loop: a Plan
+that arrives during a backlog waits for at most one batch, not the whole chunk.
 
 Nothing on the wire stops the subscriber: malformed frames, undecodable payloads and
 bad events are counted, logged at WARNING with the engine id and sequence number
@@ -195,8 +195,10 @@ class EngineSubscriber:
                     raise
                 except Exception:  # never die on one message
                     log.exception("kv events %s: unexpected error handling a batch", self.engine_id)
-            if len(chunk) > 1:
-                await asyncio.sleep(0)  # a backlog must not starve the other tasks
+                # One batch a turn of the loop: a Plan that arrived meanwhile runs before
+                # the next batch (an awaited receive of a queued message does not yield),
+                # so it waits for at most one batch's work.
+                await asyncio.sleep(0)
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:

@@ -451,3 +451,58 @@ def test_a_silent_replay_socket_times_out_and_the_stream_goes_on():
             ctx.term()
 
     run(scenario())
+
+
+def test_a_backlog_of_batches_yields_to_other_tasks_after_each_batch():
+    """A Plan arriving during an event backlog waits for one batch's work, not a chunk's:
+    with batches that take 20 ms to apply queued in the socket, another task of the
+    loop is never kept waiting for two of them."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    batch_s = 0.02
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind("tcp://127.0.0.1:*")
+        endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        applied: list[int] = []
+        slow = False
+
+        def on_batch(_engine: str, seq: int, _batch: DecodedBatch) -> None:
+            if slow:
+                time.sleep(batch_s)  # the batch's decode and index work, holding the loop
+            applied.append(seq)
+
+        sub = EngineSubscriber(ENGINE, endpoint, None, on_batch=on_batch, catch_up=False)
+        sub.start()
+        payload = msgpack.packb([1.0, [["AllBlocksCleared"]], 0])
+        try:
+            seq = 0
+            while not applied:  # until the subscription is live
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                seq += 1
+                with contextlib.suppress(AssertionError):
+                    await until(lambda: bool(applied), "first batch", timeout_s=0.3)
+            await until(lambda: sub.last_seq == seq - 1, "the warm-up batches")
+            slow = True
+            backlog = 24
+            for _ in range(backlog):
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                seq += 1
+            waits: list[float] = []
+            while sub.last_seq < seq - 1:
+                t = time.perf_counter()
+                await asyncio.sleep(0)
+                waits.append(time.perf_counter() - t)
+            assert len(applied) >= backlog
+            assert max(waits) < 1.8 * batch_s, f"longest wait {max(waits) * 1e3:.0f} ms"
+        finally:
+            await sub.stop()
+            pub.close(0)
+            ctx.term()
+
+    run(scenario())
