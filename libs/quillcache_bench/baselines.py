@@ -1,7 +1,7 @@
 """What the store's figures are measured against: raw loopback TCP, raw fsync'd
 writes and a bare gRPC bytes stream, with no QuillCache code on the path.
 
-These are not QuillCache processes and stay plaintext, as before TLS: a store figure
+These are not QuillCache processes and stay plaintext: a store figure
 (mutual TLS) against them includes the cost of TLS. `raw_tcp(..., tls=...)` gives the
 same stream over TLS with the cluster's certificates, to show that cost on its own.
 """

@@ -34,8 +34,8 @@ Per backend, in one run (index_replay.py, index_conductor.py):
   --conductor-rounds runs per backend; `conductor_rss_peak_bytes`: that process's
   peak resident set (VmHWM).
 
-Prints a table and ratios to the memory backend and to lmdb (the persistent default
-until this study); writes bench/results/index-<UTC>.json and .png, index-latest.*.
+Prints a table and ratios to the memory backend and to lmdb (the memory-mapped backend
+that reopens at once); writes bench/results/index-<UTC>.json and .png, index-latest.*.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A bench that starts its own processes makes a certificate dir in its temp dir
 (`bench_certs`) and passes `--tls-dir` to each (`security_args`); a bench against a
 `LocalCluster` or an endpoints file takes the operator's certificate from the
 endpoints' "tls" entry. With `--insecure` (a bench's flag for measuring the plaintext
-stack, e.g. to compare with results from before TLS) every helper gives None and the
+stack, e.g. to see what TLS costs) every helper gives None and the
 processes get `--insecure`.
 """
 
@@ -18,7 +18,7 @@ from quillcache_core.security.certs import make_certs
 
 INSECURE_HELP = (
     "measure the plaintext stack (no certificates, no role checks; development mode), "
-    "e.g. to compare with results from before TLS; the default is mutual TLS everywhere"
+    "e.g. to see what TLS costs; the default is mutual TLS everywhere"
 )
 
 

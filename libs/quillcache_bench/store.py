@@ -45,7 +45,7 @@ with the role that makes it in a deployment: puts, gets, deletes and data-port p
 it), Transfer.Copy and Locate as `operator`; the stores pull from each other as
 `store`. So TLS is part of every store and peer figure. The baselines (raw TCP, the
 bare gRPC server, raw fsync'd writes) are not QuillCache processes and stay plaintext:
-the ratios against them, goals included, now include the cost of TLS. One more paired
+the ratios against them, goals included, include the cost of TLS. One more paired
 row, raw TLS loopback (the raw TCP stream over mutual TLS with a store's certificate,
 no goal), shows what TLS alone costs. `--insecure` measures the plaintext stack
 instead (no certificates anywhere, no raw TLS row).

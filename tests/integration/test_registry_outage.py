@@ -40,7 +40,7 @@ from tests.unit.factories import make_request
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-# The figure is a 20 s stall with 3 s leases: QC_OUTAGE_TTL_S=3 QC_OUTAGE_STALL_S=20.
+# The full-size check is a 20 s stall with 3 s leases: QC_OUTAGE_TTL_S=3 QC_OUTAGE_STALL_S=20.
 TTL_S = int(os.environ.get("QC_OUTAGE_TTL_S", "1"))
 GRACE_S = 2 * TTL_S + 2  # the conductor's --node-leave-grace-s
 STALL_S = float(os.environ.get("QC_OUTAGE_STALL_S", str(3 * TTL_S + 1)))
@@ -216,7 +216,7 @@ def test_an_etcd_stall_longer_than_every_lease_keeps_the_residency(etcd_server, 
         f"plans after resume {planner.calls_since(resumed)}, "
         f"errors {len(planner.errors_since(resumed))}"
     )
-    # The bar: the count within 5% once etcd is back. (A store that lost its own
+    # The bar: the count within 5% once etcd is back. (A store that lost its own
     # lease resends its residency, clear then refill, over a few batches: the lowest
     # sample may dip meanwhile; it is printed above.)
     assert abs(after.resident_records - before) <= 0.05 * before, (before, samples)

@@ -5,7 +5,7 @@ through the same simulated fleet once per policy (quillcache, dynamo, llm-d, sgl
 round-robin, least-loaded, and the oracle: perfect information), at several Poisson request rates given as multiples of
 the fleet's saturation rate: the rate past which its prefill capacity is used up even
 with a perfect cache (`Workload.saturation_rate`). Prints a table per workload and the
-issue's goals (met / NOT met, per rate), writes bench/results/fleet-<UTC>.json,
+benchmark's goals (met / NOT met, per rate), writes bench/results/fleet-<UTC>.json,
 fleet-latest.{json,png,md}.
 
 `--live ENDPOINTS_JSON` instead drives a running `quillcache up` cluster through its

@@ -73,7 +73,7 @@ def summarise(run: RunResult, slo_ms: float) -> dict[str, float | int]:
 
 
 def check_goals(by_policy: Mapping[str, Mapping[str, float]]) -> list[dict]:
-    """The issues' goals for one workload and rate, from each policy's figures.
+    """The fleet benchmark's goals for one workload and rate, from each policy's figures.
 
     "Best reference" is the best of every other policy in the run (the reference
     routers and the floor baselines alike) except the oracle, which has a goal of its
