@@ -8,7 +8,7 @@ same small completions (a) straight to an engine and (b) through the gateway
 number of pairs in flight on both paths (--concurrency). Reports p50/p99 of what a
 user sees, the time to the first body byte and to the full answer, for streaming and
 non-streaming requests, and of the per-pair difference (the gateway's overhead).
-Warm-up pairs are not counted. Goal: added p50 <= 2 ms.
+Warm-up pairs are not counted. Goals: added p50 <= 1 ms, added p99 <= 3 ms.
 
 The cluster is secure as `quillcache up` runs it (certificates in its temp dir,
 mutual TLS between the processes, etcd with its roles). The client calls each path
@@ -178,10 +178,11 @@ async def _gateway_metrics(session, url: str, context) -> dict[str, float]:
     async with session.get(url + "/metrics", ssl=_ssl(context)) as reply:
         text = await reply.text()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, _, value = line.partition(" ")
-            out[name] = float(value)
+    for line in text.splitlines():  # each name's samples summed over their labels
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            name = series.partition("{")[0]
+            out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -275,10 +276,11 @@ def _report(samples: dict, args) -> None:
         f"arrival to first byte out {stages['first_byte_us']:.0f}"
     )
     worst = float(max(v["added_p50_ms"] for v in out["modes"].values()))
-    out["goal_added_p50_le_2ms"] = bool(worst <= 2.0)
-    print(
-        f"goal: added p50 <= 2 ms: {'met' if worst <= 2.0 else 'NOT met'} (worst added p50 {worst:.2f} ms)"
-    )
+    worst99 = float(max(v["added_p99_ms"] for v in out["modes"].values()))
+    out["goals"] = {"added p50 <= 1 ms": worst <= 1.0, "added p99 <= 3 ms": worst99 <= 3.0}
+    for goal, value in (("added p50 <= 1 ms", worst), ("added p99 <= 3 ms", worst99)):
+        met = "met" if out["goals"][goal] else "NOT met"
+        print(f"goal: {goal}: {met} (worst {value:.2f} ms)")
     path = write_results("gateway", out, args.out_dir)
     png = _plot(samples, path.with_suffix(".png"))
     print(f"wrote {path} and {png}")

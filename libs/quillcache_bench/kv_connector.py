@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     return report(figures, words, Path(args.out), tls=not args.insecure)
 
 
-LOADED = ("quillcache_connector_bytes_loaded_total", "quillcache_connector_load_seconds")
+LOADED = ("quillcache_connector_bytes_loaded_total", "quillcache_connector_load_seconds_total")
 
 
 def run(
@@ -213,10 +213,10 @@ def run(
         bypass.unlink()
         text = prompt(100 + r, words)
         before = counter(access, m0, "quillcache_connector_blocks_saved_total")
-        copied = counter(access, m0, "quillcache_connector_copy_out_seconds")
+        copied = counter(access, m0, "quillcache_connector_copy_out_seconds_total")
         figures["recompute"].append(ttft_s(access, e0, text))
         wait_saved(access, m0, before, blocks)
-        copied = counter(access, m0, "quillcache_connector_copy_out_seconds") - copied
+        copied = counter(access, m0, "quillcache_connector_copy_out_seconds_total") - copied
         figures["copy_out_share"].append(copied / figures["recompute"][-1])
         reset(access, e0)
         figures["dram"].append(loading(m0, "dram", lambda text=text: ttft_s(access, e0, text)))

@@ -64,7 +64,7 @@ def stage_means(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 # planned requests ask none; behind a router the connector is bypassed: none either).
 LOOKUPS = {
     "connector_store_lookups": "quillcache_connector_lookups_total",
-    "connector_lookup_s": "quillcache_connector_lookup_seconds",
+    "connector_lookup_s": "quillcache_connector_lookup_seconds_total",
 }
 
 
@@ -81,7 +81,7 @@ def connector_lookups(endpoints: dict) -> dict[str, float]:
 
 
 LEARNED = {
-    "prefill_us_per_token": "quillcache_prefill_us_per_token",
+    "prefill_us_per_token": "quillcache_prefill_seconds_per_token",
     "prefill_samples": "quillcache_prefill_samples_total",
     "fetch_price_factor": "quillcache_fetch_price_factor",
 }
@@ -97,4 +97,5 @@ def learned(endpoints: dict) -> dict[str, dict[str, float]]:
             sums = metric_sums(endpoints, url, LEARNED.values())
             if sums:
                 found[name] = {key: sums[metric] for key, metric in LEARNED.items()}
+                found[name]["prefill_us_per_token"] *= 1e6  # /metrics has it in seconds
     return found

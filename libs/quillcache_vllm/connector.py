@@ -210,6 +210,9 @@ class QuillCacheConnector(KVConnectorBase_V1):
             interval = float(extra.get("gil_switch_interval_s", GIL_SWITCH_INTERVAL_S))
             if 0 < interval < sys.getswitchinterval():
                 sys.setswitchinterval(interval)
+        # Load and save durations, handed to vLLM each step (metrics.py).
+        self._timings = metrics.Timings()
+        self.pool.on_saved = self._timings.save
         self._metrics = None
         port_field = "metrics_port" if role == KVConnectorRole.WORKER else "scheduler_metrics_port"
         if int(extra.get(port_field, 0)) > 0:
@@ -470,12 +473,14 @@ class QuillCacheConnector(KVConnectorBase_V1):
         Loads larger than the buffer go in pieces."""
         if not transfers:
             return set()
+        started = time.perf_counter()
         per_engine_block = self.parts * self._store_block_bytes
         step = max(1, STAGING_BYTES // per_engine_block)
         failed: set[int] = set()
         with self._staging_lock:
             for start in range(0, len(transfers), step):
                 failed |= self._load_piece(transfers[start : start + step], sources)
+        self._timings.load(time.perf_counter() - started)
         return failed
 
     def _load_piece(self, transfers: list[BlockTransfer], sources: dict[str, str]) -> set[int]:
@@ -579,6 +584,19 @@ class QuillCacheConnector(KVConnectorBase_V1):
         with self._load_lock:
             loaded, self._loaded = self._loaded, set()
         return None, loaded or None
+
+    # --- statistics for vLLM's /metrics (metrics.py) ------------------------------------
+
+    def get_kv_connector_stats(self) -> metrics.ConnectorStats | None:
+        return self._timings.drain()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> metrics.ConnectorStats:
+        return metrics.ConnectorStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return metrics.prom_metrics(metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._loader is not None:

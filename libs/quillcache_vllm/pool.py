@@ -96,6 +96,7 @@ class Pool:
         self.timeout_s = timeout_s
         self.max_pending_bytes = max_pending_bytes
         self.counters = PoolCounters()
+        self.on_saved: Callable[[float], None] | None = None  # each save batch's seconds
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -307,7 +308,10 @@ class Pool:
         finally:
             with self._lock:
                 self._pending_bytes -= size
-            self.counters.save_seconds += time.perf_counter() - started
+            elapsed_s = time.perf_counter() - started
+            self.counters.save_seconds += elapsed_s
+            if self.on_saved is not None:  # the connector's save histogram (metrics.py)
+                self.on_saved(elapsed_s)
 
     async def _save_batch(
         self, address: str, blocks: list[tuple[KvBlockKey, bytes]]

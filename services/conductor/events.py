@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from quillcache.v1 import conductor_pb2
 from quillcache_conductor.state import ConductorState
@@ -37,7 +38,7 @@ from quillcache_core.kvevents.events import (
 )
 from quillcache_core.kvevents.translate import EngineEventTranslator
 from quillcache_core.model import CacheTier, IdentityScope
-from quillcache_core.process.metrics import MetricsRegistry
+from quillcache_core.process.metrics import LATENCY_BUCKETS_S, MetricsRegistry
 from quillcache_core.registry import NodeRecord
 from quillcache_core.security.tls import PeerIdentity
 
@@ -72,6 +73,13 @@ class EventRouter:
             "kv_event_batches_refused_total",
             "gRPC KV event batches refused whole, by the kind of node they claim and reason",
             ["source", "reason"],
+        )
+        self.lag = metrics.histogram(
+            "kv_event_lag_seconds",
+            "a KV event batch's timestamp (set by the engine or store) to its events "
+            "applied here, once per batch, by the kind of node that sent it",
+            LATENCY_BUCKETS_S,
+            ["source"],
         )
         metrics.gauge(
             "kv_subscribers",
@@ -179,6 +187,8 @@ class EventRouter:
             return
         result = translator.apply(batch)
         self.applied.inc(result.applied, source="engine")
+        if batch.ts:
+            self.lag.observe(max(0.0, time.time() - batch.ts), source="engine")
         # The subscriber already reported the decoder's errors through _on_zmq_error.
         for error in result.rejected[len(batch.errors) :]:
             self._reject(engine_id, error, seq)
@@ -245,6 +255,8 @@ class EventRouter:
         else:
             applied, errors = self._engine_batch(batch)
         self.applied.inc(applied, source=source)
+        if batch.ts_ms:
+            self.lag.observe(max(0.0, time.time() - batch.ts_ms / 1000), source=source)
         for error in errors:
             self._reject(batch.engine_id, error, batch.sequence)
         return applied, errors

@@ -22,7 +22,7 @@ from quillcache_conductor.state import ConductorState
 from quillcache_core.index import open_index
 from quillcache_core.model import CostModel
 from quillcache_core.process.heap import HeapSettler
-from quillcache_core.process.metrics import MetricsRegistry
+from quillcache_core.process.metrics import MICRO_BUCKETS_S, MetricsRegistry
 from quillcache_core.registry import NodeEvent, NodeRecord, open_registry
 from quillcache_core.registry.records import JOIN, LEAVE
 from quillcache_core.routing.references import make_policy
@@ -72,7 +72,7 @@ class ConductorServer:
             calibrate=config.calibrate_prefill,
         )
         split.configure(self.state, config.disagg_settings())
-        self.metrics = MetricsRegistry()
+        self.metrics = MetricsRegistry(process=True)
         self.events = EventRouter(self.state, self.metrics, subscribe_zmq=config.kv_events)
         self._register_metrics()
         self.tls = config.tls("conductor")
@@ -112,6 +112,11 @@ class ConductorServer:
         state = self.state
         m = self.metrics
         m.gauge("plans_total", "routing decisions made", read=lambda: [((), state.counters.plans)])
+        self.plan_seconds = m.histogram(
+            "conductor_plan_seconds",
+            "time to compute a plan (Plan, PlanStream and the plan port alike)",
+            MICRO_BUCKETS_S,
+        )
         m.gauge(
             "finishes_total",
             "reservations released by Finish, by outcome",
@@ -119,12 +124,12 @@ class ConductorServer:
             read=lambda: [((k,), v) for k, v in state.counters.finishes.items()],
         )
         m.gauge(
-            "prefill_us_per_token",
+            "prefill_seconds_per_token",
             "the engines' prefill speed each plan of the model is priced with: learned from "
             "measured TTFTs, the cost model's default until enough of them (--calibrate-prefill)",
             ["model"],
             read=lambda: [
-                ((model,), speed.us_per_token) for model, speed in self._learned_speeds()
+                ((model,), speed.us_per_token / 1e6) for model, speed in self._learned_speeds()
             ],
         )
         m.gauge(
@@ -319,7 +324,11 @@ class ConductorServer:
             ],
         )
         self.servicer = servicer = ConductorServicer(
-            self.state, self.events, cfg.max_blocks_per_request, cfg.plan_alternatives
+            self.state,
+            self.events,
+            cfg.max_blocks_per_request,
+            cfg.plan_alternatives,
+            plan_seconds=self.plan_seconds,
         )
         conductor_pb2_grpc.add_ConductorServicer_to_server(servicer, server)
         if cfg.replica_sync:

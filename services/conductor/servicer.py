@@ -15,6 +15,7 @@ from quillcache_conductor.state import ConductorState, publishes_events
 from quillcache_core.errors import InvalidArgument, QuillCacheError
 from quillcache_core.identity.chain import BlockChain, chain_keys
 from quillcache_core.model import IdentityScope, KvBlockKey, RequestShape, SloTarget
+from quillcache_core.process.metrics import Histogram
 from quillcache_core.routing.actions import ActionKind, action_runs
 from quillcache_core.rpc.server import status_for, unary_errors
 from quillcache_core.security.tls import peer_identity
@@ -72,9 +73,16 @@ def _cost_to_proto(cost) -> conductor_pb2.EngineCost:
 
 class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     def __init__(
-        self, state: ConductorState, events: EventRouter, max_blocks: int, alternatives: int = 8
+        self,
+        state: ConductorState,
+        events: EventRouter,
+        max_blocks: int,
+        alternatives: int = 8,
+        *,
+        plan_seconds: Histogram | None = None,
     ) -> None:
         self.state = state
+        self.plan_seconds = plan_seconds  # each plan's time, observed here (or not)
         self.alternatives = alternatives
         # host:port of the plan port, reported by Stats ("" = none).
         self.plan_address = ""
@@ -199,7 +207,10 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             self._add_actions(reply, decision.actions)
         if outcome.split is not None:
             self._add_split(reply, outcome)
-        reply.plan_us = int((time.perf_counter() - start) * 1e6)
+        elapsed_s = time.perf_counter() - start
+        reply.plan_us = int(elapsed_s * 1e6)
+        if self.plan_seconds is not None:
+            self.plan_seconds.observe(elapsed_s)
         return reply
 
     def _add_split(self, reply, outcome) -> None:

@@ -18,9 +18,9 @@ from quillcache_gateway.delivered import Delivery
 
 access_log = logging.getLogger("quillcache_gateway.access")
 
-# Delivered - predicted cached tokens, and realized - predicted TTFT (ms).
+# Delivered - predicted cached tokens, and realized - predicted TTFT (seconds).
 TOKEN_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
-TTFT_ERROR_BUCKETS = (-1000, -250, -100, -25, -5, 0, 5, 25, 100, 250, 1000, 5000)
+TTFT_ERROR_BUCKETS = (-1, -0.25, -0.1, -0.025, -0.005, 0, 0.005, 0.025, 0.1, 0.25, 1, 5)
 # The request's Delivery, kept for its access log line.
 DELIVERY_KEY = web.RequestKey("quillcache_delivery", Delivery)
 
@@ -34,8 +34,8 @@ class DeliveryMeter:
             ["engine", "replica"],
         )
         self.ttft_error = metrics.histogram(
-            "gateway_ttft_error_ms",
-            "a stream's realized minus predicted time to first token, ms",
+            "gateway_ttft_error_seconds",
+            "a stream's realized minus predicted time to first token, seconds",
             TTFT_ERROR_BUCKETS,
             ["engine", "replica"],
         )
@@ -53,7 +53,7 @@ class DeliveryMeter:
         if done.token_error is not None and not p.fallback:
             self.hit_error.observe(done.token_error, engine=p.engine_id, replica=replica)
         if done.ttft_error_ms is not None:
-            self.ttft_error.observe(done.ttft_error_ms, engine=p.engine_id, replica=replica)
+            self.ttft_error.observe(done.ttft_error_ms / 1000, engine=p.engine_id, replica=replica)
         cause = done.cause
         if cause is not None:
             self.mispredictions.inc(engine=p.engine_id, cause=cause)

@@ -12,6 +12,7 @@ from quillcache_core.process.service import event_loop_opt
 from quillcache_core.process.settings import opt
 from quillcache_core.security.tls import TlsSettings
 from quillcache_gateway.limits import TenantLimit, check_limit, parse_tenant_limits
+from quillcache_gateway.prewarm import MAX_PREFIXES
 
 MAX_KEYS_FILE_BYTES = 1024 * 1024
 
@@ -48,6 +49,11 @@ class GatewayConfig(TlsSettings):
     )
     cache_salts: str = opt(
         "", "per-tenant cache salt as tenant=salt[,...]; a tenant not listed uses its id"
+    )
+    admin_tenants: str = opt(
+        "",
+        "tenants whose API keys also open the status page (/dashboard), as "
+        "tenant[,tenant...]; each must have an API key",
     )
     tokenizers: str = opt(
         "", "per-model tokenizer.json as model=path[,...]; others use the built-in one"
@@ -151,6 +157,13 @@ class GatewayConfig(TlsSettings):
     upstream_retries: int = opt(
         1, "re-plans on another engine when one fails before its first byte"
     )
+    prewarm_top: int = opt(
+        0,
+        "a new engine gets each tenant's N hottest recent prompt prefixes (max_tokens 1, "
+        "loaded from the pool) before it takes this gateway's traffic (0 = off; prewarm.py)",
+    )
+    prewarm_timeout_s: float = opt(30.0, "a new engine takes traffic after this long warming")
+    prewarm_poll_s: float = opt(0.25, "with --prewarm-top: how often the fleet is looked at")
     event_loop: str = event_loop_opt()
     log_level: str = opt("INFO", "log level", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     # tenant -> API key, read once from --api-keys or --api-keys-file (not a flag).
@@ -193,6 +206,11 @@ class GatewayConfig(TlsSettings):
                 "--max-tokens-limit and --max-ttft-slo-ms must be from 1 to 2**32-1"
             )
         self.limits_by_tenant()
+        if not 0 <= self.prewarm_top <= MAX_PREFIXES:
+            raise InvalidArgument(f"--prewarm-top must be from 0 to {MAX_PREFIXES}")
+        if self.prewarm_timeout_s <= 0 or self.prewarm_poll_s <= 0:
+            raise InvalidArgument("--prewarm-timeout-s and --prewarm-poll-s must be positive")
+        self.admins()
 
     def _read_keys(self) -> dict[str, str]:
         """tenant -> key, from --api-keys or the file --api-keys-file names."""
@@ -220,6 +238,16 @@ class GatewayConfig(TlsSettings):
     def salts_by_tenant(self) -> dict[str, str]:
         """Configured cache salts; a tenant not listed uses its own id."""
         return parse_pairs(self.cache_salts, "--cache-salts")
+
+    def admins(self) -> frozenset[str]:
+        """--admin-tenants: tenants with an API key whose key also opens /dashboard."""
+        names = frozenset(filter(None, (t.strip() for t in self.admin_tenants.split(","))))
+        unknown = sorted(names - set(self._keys))
+        if unknown:
+            raise InvalidArgument(
+                f"--admin-tenants names tenants without an API key: {', '.join(unknown)}"
+            )
+        return names
 
     def default_limit(self) -> TenantLimit:
         check_limit(self.default_rps, "--default-rps")

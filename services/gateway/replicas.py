@@ -163,6 +163,14 @@ class ConductorReplicas:
         """The replicas that get new plans."""
         return [a for a, r in self._replicas.items() if r.present]
 
+    @property
+    def primary(self) -> str:
+        """The replica new plans go to first ("" with round-robin: each in turn)."""
+        if self.spread != "primary":
+            return ""
+        order = self._order()
+        return order[0].address if order else ""
+
     def _order(self) -> list[_Replica]:
         """Present replicas, the primary first (or from the next in turn), the recently
         failed ones last."""

@@ -30,7 +30,13 @@ from quillcache_core.errors import InvalidArgument
 from quillcache_core.identity.chain import BlockChain
 from quillcache_core.identity.keys import BlockIdentity, block_identity
 from quillcache_core.identity.tokenize import TokenizerView, request_tokens
-from quillcache_core.process.metrics import MetricsRegistry
+from quillcache_core.process.metrics import (
+    CONTENT_TYPE,
+    DURATION_BUCKETS_S,
+    LATENCY_BUCKETS_S,
+    MICRO_BUCKETS_S,
+    MetricsRegistry,
+)
 from quillcache_core.rpc.server import error_from_status
 from quillcache_core.security.tenants import tenant_salt
 from quillcache_core.security.tls import role_of_cert
@@ -44,6 +50,7 @@ from quillcache_gateway.connections import (
     answer_and_close,
     server_logger,
 )
+from quillcache_gateway.dashboard import Dashboard, DashboardAccess, FleetView
 from quillcache_gateway.delivered import (
     EXPLAIN_HEADER,
     Delivery,
@@ -61,6 +68,7 @@ from quillcache_gateway.fallback import PLAN_HEADER, SKIP, PlanFallback, is_fall
 from quillcache_gateway.limits import TenantLimiter
 from quillcache_gateway.memos import TenantMemos
 from quillcache_gateway.models import ModelCatalog
+from quillcache_gateway.prewarm import Prewarmer
 from quillcache_gateway.replicas import ConductorReplicas
 from quillcache_gateway.reservations import OpenPlans, early_outcome, shielded
 from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamPool
@@ -76,6 +84,8 @@ ERROR = conductor_pb2.FinishRequest.ERROR
 CANCELLED = conductor_pb2.FinishRequest.CANCELLED
 DONE_EVENT = b"data: [DONE]\n\n"
 MAX_IDENTITIES = 4096
+# The engine that took a request (its plan's), for the request's duration histogram.
+ENGINE_KEY = web.RequestKey("quillcache_engine", str)
 RECONNECT_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
@@ -155,16 +165,24 @@ class Gateway:
             stats=lambda: self._stats,
             upstream=lambda: self.upstream,
         )
-        self.metrics = MetricsRegistry()
+        self.metrics = MetricsRegistry(process=True)
         m = self.metrics
         self.requests = m.counter(
             "gateway_requests_total", "requests answered, by route and status", ["route", "status"]
         )
-        self.ttft_sum = m.counter(
-            "gateway_ttft_seconds_sum", "sum of time to first byte of the answer"
+        self.ttft = m.histogram(
+            "gateway_ttft_seconds",
+            "arrival of a request to the first token its client gets (a stream's first "
+            "chunk, or a whole answer), by the engine that answered",
+            LATENCY_BUCKETS_S,
+            ["engine"],
         )
-        self.ttft_count = m.counter(
-            "gateway_ttft_seconds_count", "answers whose first byte was timed"
+        self.duration = m.histogram(
+            "gateway_request_duration_seconds",
+            "arrival of a completion request to its answer's last byte, by engine "
+            '("none": answered before one took it) and HTTP status',
+            DURATION_BUCKETS_S,
+            ["engine", "status"],
         )
         self.slo_met = m.counter(
             "gateway_ttft_slo_met_total", "answers whose first byte met the TTFT budget"
@@ -174,18 +192,20 @@ class Gateway:
             "share of timed answers that met their TTFT budget",
             read=self._goodput,
         )
-        self.plan_sum = m.counter("gateway_plan_seconds_sum", "time spent in Plan calls")
-        self.plan_count = m.counter("gateway_plan_seconds_count", "Plan calls")
-        self.prepare_sum = m.counter(
-            "gateway_prepare_seconds_sum",
+        self.plan_seconds = m.histogram(
+            "gateway_plan_seconds",
+            "Plan calls to the conductor, as the gateway waits for them (each attempt)",
+            MICRO_BUCKETS_S,
+        )
+        self.prepare_seconds = m.histogram(
+            "gateway_prepare_seconds",
             "time from a request's arrival to its Plan call (read, validate, tokenize, hash)",
+            MICRO_BUCKETS_S,
         )
-        self.engine_head_sum = m.counter(
-            "gateway_engine_head_seconds_sum",
+        self.engine_head_seconds = m.histogram(
+            "gateway_engine_head_seconds",
             "time from sending a request to an engine to its answer's head (per engine call)",
-        )
-        self.engine_head_count = m.counter(
-            "gateway_engine_head_seconds_count", "engine calls that got an answer's head"
+            LATENCY_BUCKETS_S,
         )
         self.upstream_failures = m.counter(
             "gateway_upstream_failures_total", "engine calls that failed, by phase", ["phase"]
@@ -211,6 +231,8 @@ class Gateway:
         )
         self.open_plans = OpenPlans(m, lambda finish: self._finishes.submit(finish))
         self.disagg = Disaggregator(registry_url=config.registry, tls=self.tls, metrics=m)
+        self.prewarm = Prewarmer(config.prewarm_top, config.prewarm_timeout_s,
+                                 config.prewarm_poll_s, config.block_bytes, m)  # fmt: skip
         self.conductor: ConductorReplicas | None = None
         self._stats: ConductorReplicas | None = None
         self._finishes: FinishQueue | None = None
@@ -225,7 +247,7 @@ class Gateway:
         return self._runner.server if self._runner is not None else None
 
     def _goodput(self):
-        timed = self.ttft_count.get()
+        timed = self.ttft.total_count()
         return [((), (self.slo_met.get() / timed) if timed else 1.0)]
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -260,8 +282,13 @@ class Gateway:
             engine_key=self.tls.engine_key() if self.tls else "",
         )
         self.disagg.bind(SplitContext(self.upstream.post, self._finishes.submit, self.open_plans))
+        self.prewarm.start(self.conductor, self.upstream, self._finishes.submit)
         app = web.Application(
             client_max_size=cfg.max_body_bytes, middlewares=[self.deadlines.middleware]
+        )
+        self.dashboard = Dashboard(
+            DashboardAccess(self.tls is not None, self.tenants, cfg.admins()),
+            FleetView(self.conductor, cfg.registry, self.tls),
         )
         app.add_routes(
             [
@@ -270,8 +297,10 @@ class Gateway:
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
                 web.get("/metrics", self.render_metrics),
+                *self.dashboard.routes(),
             ]
         )
+        app.on_cleanup.append(self.dashboard.close)
         self._runner = web.AppRunner(app, access_log=None, logger=server_logger())
         await self._runner.setup()
         site = GuardedSite(self._runner, cfg.host, cfg.port, self._ssl_context(), self.deadlines)
@@ -295,6 +324,7 @@ class Gateway:
         return f"READY gateway http={scheme}://{self.config.host}:{self.port}"
 
     async def stop(self) -> None:
+        await self.prewarm.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._finishes is not None:
@@ -317,7 +347,9 @@ class Gateway:
             return response(
                 ApiError(403, "/metrics needs a certificate of the cluster's CA", code="forbidden")
             )
-        return web.Response(text=self.metrics.render(), content_type="text/plain")
+        return web.Response(
+            body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE}
+        )
 
     async def models(self, request: web.Request) -> web.Response:
         try:
@@ -376,9 +408,11 @@ class Gateway:
             raise
         finally:
             self.requests.inc(route=request.path, status=status)
+            elapsed_s = time.perf_counter() - arrived
+            self.duration.observe(elapsed_s, engine=request.get(ENGINE_KEY, "none"), status=status)
             if tenant:
                 self.limits.count(tenant, status)
-            self.delivery.log(request, request_id, status, (time.perf_counter() - arrived) * 1000)
+            self.delivery.log(request, request_id, status, elapsed_s * 1000)
 
     def _tenant(self, request: web.Request) -> str:
         if not self.tenants:
@@ -472,6 +506,7 @@ class Gateway:
     async def _plan(self, call: _Call, excluded: list[str]):
         """The conductor's plan; while it is unreachable, the gateway's own (fallback.py)."""
         cfg = self.config
+        excluded = self.prewarm.excluding(excluded)  # engines warming up (prewarm.py)
         fallback = self.fallback
         turn = fallback.turn()
         if turn == SKIP:
@@ -520,8 +555,7 @@ class Gateway:
             self.open_plans.add(plan)
             return plan
         finally:
-            self.plan_sum.inc(time.perf_counter() - started)
-            self.plan_count.inc()
+            self.plan_seconds.observe(time.perf_counter() - started)
         # Raised outside the handler, and held by no local: no context, no cycle.
         raise from_domain(error_from_status(*status))
 
@@ -532,16 +566,18 @@ class Gateway:
         chain, hashes = BlockChain.of_tokens(ident.identity, job.tokens, block_size, chains)
         explain = request.headers.get(EXPLAIN_HEADER) == "1"
         call = _Call(request_id, arrived, slo_ms, job, ident, chain, hashes, mode, explain=explain)
-        self.prepare_sum.inc(time.perf_counter() - arrived)
+        self.prepare_seconds.observe(time.perf_counter() - arrived)
         self._finishes.hold()  # no Finish competes with this request for its answer
         try:
             plan, upstream = await self._open_upstream(call, request.path)
         finally:
             self._finishes.unhold()
+        request[ENGINE_KEY] = plan.engine_id
         if upstream.status == 200:  # planned and taken: its work is kept for the next ones
             if job.tokenizer is not None:
                 job.tokenizer.commit()
             chains.commit()
+            self.prewarm.served(tenant, call, plan)
         headers = {"x-quillcache-request-id": request_id, "x-quillcache-engine": plan.engine_id}
         if is_fallback(plan):  # the gateway chose the engine: no reservation, no plan's numbers
             headers[PLAN_HEADER] = "fallback"
@@ -574,6 +610,7 @@ class Gateway:
             raise
         finally:
             upstream.release()
+            self.dashboard.record(request, request_id, tenant, plan, prediction, upstream.status)
 
     async def _open_upstream(self, call: _Call, path: str):
         """Plan, then send the engine the request; on its failure re-plan elsewhere."""
@@ -581,6 +618,9 @@ class Gateway:
         job = call.job
         for _attempt in range(self.config.upstream_retries + 1):
             plan = await self._plan(call, excluded)
+            if self.prewarm.holds(plan, job.model):  # a new engine warms up first
+                self._finish_later(plan, CANCELLED, 0.0, call, observe=False)
+                plan = await self._plan(call, excluded)
             if plan.disagg == "split" and plan.prefill_engine_id and not is_fallback(plan):
                 plan, answer = await self.disagg.split(call, plan, path)  # disagg.py
                 if answer is not None:  # under way: its first token was the prefill's
@@ -617,8 +657,7 @@ class Gateway:
             except BaseException as exc:  # the client left while the engine was called
                 self._finish_later(plan, early_outcome(exc), 0.0, call, observe=False)
                 raise
-            self.engine_head_sum.inc(time.perf_counter() - sent)
-            self.engine_head_count.inc()
+            self.engine_head_seconds.observe(time.perf_counter() - sent)
             return plan, upstream
         raise ApiError(
             503,
@@ -647,7 +686,7 @@ class Gateway:
         ok = upstream.status == 200
         if not ok:
             self.upstream_failures.inc(phase="status")
-        self._timed(ttft_s, call.slo_ms)
+        self._timed(ttft_s, call.slo_ms, plan.engine_id)
         cached = None
         if ok:
             data, cached = whole_body(data, prediction if call.explain else None)
@@ -694,7 +733,7 @@ class Gateway:
                     break
                 if not ttft_s:
                     ttft_s = time.perf_counter() - call.arrived
-                    self._timed(ttft_s, call.slo_ms)
+                    self._timed(ttft_s, call.slo_ms, plan.engine_id)
                     self._prefilled(plan, ttft_s)
                     tap.ttft_ms = ttft_s * 1000
                 tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
@@ -713,9 +752,8 @@ class Gateway:
         )
         return resp
 
-    def _timed(self, ttft_s: float, slo_ms: int) -> None:
-        self.ttft_sum.inc(ttft_s)
-        self.ttft_count.inc()
+    def _timed(self, ttft_s: float, slo_ms: int, engine: str) -> None:
+        self.ttft.observe(ttft_s, engine=engine)
         if ttft_s * 1000 <= slo_ms:
             self.slo_met.inc()
 

@@ -145,7 +145,7 @@ class SimEngineServer:
             role=config.role,
         )
         self.drainer = Drainer(self.engine.cache, self.mover, self.scheduler, self._set_state)
-        self.metrics = MetricsRegistry(prefix="quillcache_sim_")
+        self.metrics = MetricsRegistry(prefix="quillcache_sim_", process=True)
         self.vllm_metrics = MetricsRegistry(prefix="vllm:")
         self._requests = self.metrics.counter(
             "requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"]

@@ -36,6 +36,7 @@ from quillcache_store.servicer import SERVICE_NAME, ByteBudget, StoreServicer
 from quillcache_store.tiers.dram import DramTier
 from quillcache_store.tiers.ssd import SsdTier
 from quillcache_store.tiers.tiered import TieredStore
+from quillcache_store.timings import StoreTimings
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,9 @@ class StoreServer:
 
     def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self.metrics = MetricsRegistry()
+        self.metrics = MetricsRegistry(process=True)
+        # Each block's Get and Put time, by tier: gRPC and the data port (timings.py).
+        self.timings = StoreTimings(self.metrics)
         self.tls = tls = config.tls("store")
         self.registry = open_registry(config.registry, tls)
         # A memory registry knows only this process: discovery needs etcd.
@@ -157,6 +160,7 @@ class StoreServer:
                 max_block_bytes=cfg.max_block_bytes,
                 tls=self.tls,
                 local_socket=self._data_socket_path(),
+                timings=self.timings,
             )
             self.data_port = self.data_server.start()
         self.pooled = PooledStore(
@@ -183,6 +187,7 @@ class StoreServer:
             data_address=self.data_address,
             data_socket=self.data_server.local_socket if self.data_server else "",
             pull_streams=cfg.pull_streams,
+            timings=self.timings,
         )
         self._register_metrics()
         server = grpc_server(

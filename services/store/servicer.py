@@ -17,13 +17,14 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
 import grpc
 
 from quillcache.v1 import store_pb2
-from quillcache_core.errors import CapacityExceeded, InvalidArgument, QuillCacheError
+from quillcache_core.errors import CapacityExceeded, InvalidArgument, NotFound, QuillCacheError
 from quillcache_core.model import CacheTier
 from quillcache_core.rpc.server import stream_errors, unary_errors
 from quillcache_core.storeclient import wire
@@ -33,6 +34,7 @@ from quillcache_core.wire.tiers import tier_from_proto, tier_to_proto
 from quillcache_store.datapath.pull import BlockPuller, OutcomeBatches, PullOutcome
 from quillcache_store.pooled import PooledStore
 from quillcache_store.tiers.tiered import TieredStore
+from quillcache_store.timings import StoreTimings
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +112,10 @@ class StoreServicer:
         data_address: str = "",
         data_socket: str = "",
         pull_streams: int = 2,
+        timings: StoreTimings | None = None,
     ) -> None:
         self.node_id = node_id
+        self.timings = timings
         self.tiered = tiered
         self.pooled = pooled
         self._executor = executor
@@ -212,6 +216,7 @@ class StoreServicer:
             pass
 
     async def _put(self, request_iterator) -> store_pb2.PutResponse:
+        started = time.perf_counter()
         header = None
         key = None
         total = received = 0
@@ -283,6 +288,8 @@ class StoreServicer:
         ) or self.tiered.ssd.info(key)
         self.puts[landed] = self.puts.get(landed, 0) + 1
         self.put_bytes += total
+        if self.timings is not None:
+            self.timings.put(started, landed)
         logger.debug("put %s: %d bytes -> %s", key.block_hash, total, landed)
         return store_pb2.PutResponse(
             key=header.key,
@@ -301,7 +308,13 @@ class StoreServicer:
         key = wire.key_from_proto(request.key)
         chunk = request.chunk_bytes or self.default_chunk_bytes
         chunk = max(MIN_GET_CHUNK_BYTES, min(chunk, self.max_chunk_bytes))
-        block = await self.pooled.read(key, allow_remote=request.allow_remote)
+        started = time.perf_counter()
+        try:
+            block = await self.pooled.read(key, allow_remote=request.allow_remote)
+        except NotFound:
+            if self.timings is not None:
+                self.timings.got(started, None)
+            raise
         try:
             view = block.payload
             total = view.nbytes
@@ -315,6 +328,8 @@ class StoreServicer:
             for offset in range(chunk, total, chunk):
                 yield wire.encode_get_chunk(None, view[offset : offset + chunk])
             self.get_bytes += total
+            if self.timings is not None:
+                self.timings.got(started, block.tier, remote=block.served_from != self.node_id)
         finally:
             block.release()
 

@@ -9,7 +9,7 @@ import grpc
 
 from quillcache.v1 import transfer_pb2_grpc
 from quillcache_core.process.malloc import tune_malloc_for_large_values
-from quillcache_core.process.metrics import MetricsRegistry
+from quillcache_core.process.metrics import LATENCY_BUCKETS_S, MetricsRegistry
 from quillcache_core.registry import NodeRecord, open_registry
 from quillcache_core.rpc.server import (
     add_health_and_reflection,
@@ -31,7 +31,7 @@ class TransferServer:
 
     def __init__(self, config: TransferConfig) -> None:
         self.config = config
-        self.metrics = MetricsRegistry()
+        self.metrics = MetricsRegistry(process=True)
         self.tls = config.tls("transfer")
         self.registry = open_registry(config.registry, self.tls)
         self.stats = TransferStats()
@@ -69,6 +69,13 @@ class TransferServer:
             "sources' block-data ports; 'grpc': streamed through this service)",
             ["path"],
             read=lambda: [((path,), n) for path, n in servicer.paths.items()],
+        )
+        servicer.seconds = m.histogram(
+            "transfer_seconds",
+            "a Copy, Move or Prefetch request from its start to its last block done, by "
+            "mode and the path its bytes took",
+            LATENCY_BUCKETS_S,
+            ["mode", "path"],
         )
         m.gauge(
             "transfer_retries_total",

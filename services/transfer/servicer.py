@@ -8,6 +8,7 @@ import logging
 from quillcache.v1 import transfer_pb2, transfer_pb2_grpc
 from quillcache_core.errors import InvalidArgument, NotFound
 from quillcache_core.model import CacheTier
+from quillcache_core.process.metrics import Histogram
 from quillcache_core.registry import NodeRegistry
 from quillcache_core.registry.records import record_data_address
 from quillcache_core.rpc.server import stream_errors
@@ -65,6 +66,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
         self._clients: dict[str, StoreClient] = {}
         self.requests: dict[str, int] = {}
         self.paths: dict[str, int] = {}  # requests per data path
+        # Each request's time to its last block, by mode and path (None: not timed).
+        self.seconds: Histogram | None = None
 
     async def _store(self, node_id: str) -> StoreClient:
         return (await self._resolve(node_id))[0]
@@ -172,6 +175,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServicer):
             mode, source, destination, names, keys, opts, self.stats, data_address=data_address
         ):
             if progress.finished:
+                if self.seconds is not None:
+                    self.seconds.observe(progress.elapsed_s, mode=mode, path=path)
                 logger.info(
                     "%s %s -> %s (%s path): %d blocks, %d failed, %d skipped, %.1f MB/s",
                     mode,

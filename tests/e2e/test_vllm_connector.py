@@ -114,10 +114,12 @@ def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same
     # What the connector put on vLLM's own path: copying the saves out, and its step.
     metrics = endpoints["metrics"]
     copy_s = metric(
-        endpoints, metrics[f"{engine}-connector"], "quillcache_connector_copy_out_seconds"
+        endpoints, metrics[f"{engine}-connector"], "quillcache_connector_copy_out_seconds_total"
     )
     match_s = metric(
-        endpoints, metrics[f"{engine}-connector-scheduler"], "quillcache_connector_match_seconds"
+        endpoints,
+        metrics[f"{engine}-connector-scheduler"],
+        "quillcache_connector_match_seconds_total",
     )
     assert 0 < copy_s < 5 and 0 < match_s < 5
     reset_cache(cluster, endpoints, engine)
@@ -143,6 +145,41 @@ def test_after_a_reset_the_prefix_loads_from_the_pool_and_the_output_is_the_same
     assert external_hits(endpoints, engine) - external >= 32 * (blocks - 1)
     assert cached(again) >= 32 * (blocks - 1)
     assert output(again, kind) == output(first, kind)  # token for token
+
+
+def histogram_count(endpoints, engine: str, name: str) -> float:
+    """A connector histogram's observations on vLLM's own /metrics (the API server's)."""
+    with urllib.request.urlopen(
+        endpoints["metrics"][engine], timeout=5, context=https(endpoints)
+    ) as reply:
+        text = reply.read().decode()
+    assert f"# TYPE {name} histogram" in text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "_count{")
+    )
+
+
+def test_the_connector_s_load_and_save_histograms_are_on_vllm_s_own_metrics(pool_fleet):
+    """The connector times its loads and saves in vLLM's engine core; vLLM carries them
+    with its step statistics to the API server, whose /metrics shows them."""
+    cluster, endpoints = pool_fleet
+    loads, saves = "quillcache_connector_load_seconds", "quillcache_connector_save_seconds"
+    engine, _, _ = answered_and_saved(endpoints, text(70, 300))
+    wait_until(
+        lambda: histogram_count(endpoints, engine, saves) > 0,
+        timeout_s=15,
+        what="the saves on vLLM's /metrics",
+    )
+    loaded = histogram_count(endpoints, engine, loads)
+    reset_cache(cluster, endpoints, engine)
+    ask(endpoints, "completion", MODEL, text(70, 300), max_tokens=4)
+    wait_until(
+        lambda: histogram_count(endpoints, engine, loads) > loaded,
+        timeout_s=15,
+        what="the load on vLLM's /metrics",
+    )
 
 
 def test_a_request_without_a_plan_finds_the_prefix_in_the_store_node(pool_fleet, env):  # noqa: F811
@@ -332,3 +369,23 @@ def test_an_engine_on_another_store_node_reuses_the_prefix(pool_fleet):
     assert connector(endpoints, other, "blocks_loaded_from_peers") - from_peer >= 2 * (blocks - 1)
     assert cached(again) >= 32 * (blocks - 1)
     assert again.choices[0].text == first.choices[0].text
+
+
+def test_the_names_the_dashboards_and_alerts_read_from_vllm_engines_are_scraped(pool_fleet):
+    """k8s/monitoring/ names metrics only a vLLM engine exposes (its KV connector's
+    ports, vLLM's own counters): each is on one of this fleet's /metrics."""
+    from tests.integration.test_monitoring import (
+        VLLM_ONLY,
+        exposed_names,
+        named_by_monitoring,
+        scrape,
+    )
+
+    _, endpoints = pool_fleet
+    urls = endpoints["metrics"]
+    assert {"engine-0", "engine-0-connector", "engine-0-connector-scheduler"} <= set(urls)
+    exposed = set().union(*(exposed_names(scrape(u, https(endpoints))) for u in urls.values()))
+    named = {n: where for n, where in named_by_monitoring().items() if n.startswith(VLLM_ONLY)}
+    assert named, "the dashboard names no vLLM-only metric"
+    missing = {name: sorted(where) for name, where in named.items() if name not in exposed}
+    assert not missing, f"named but on no vLLM engine's /metrics: {missing}"

@@ -118,8 +118,8 @@ def test_a_prompt_an_engine_lost_unheard_is_counted_and_no_longer_claimed(cluste
     assert report["predicted"]["engine_hit_tokens"] == report["delivered"]["cached_tokens"]
     assert report["error"]["tokens"] == 0 and report["cause"] is None
     zero = "quillcache_gateway_cached_tokens_error_bucket"
-    assert gateway_metric(endpoints, zero, engine=engine, le="0") >= 1
-    assert gateway_metric(endpoints, zero, engine=engine, le="-1") == 0
+    assert gateway_metric(endpoints, zero, engine=engine, le="0.0") >= 1
+    assert gateway_metric(endpoints, zero, engine=engine, le="-1.0") == 0
     evicted = {"engine": engine, "cause": "engine_evicted"}
     assert gateway_metric(endpoints, "quillcache_gateway_mispredictions_total", **evicted) == 0
 

@@ -331,3 +331,88 @@ def test_only_the_operator_may_drain_and_a_bad_drain_body_is_a_400(cluster):
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(post, timeout=10, context=context)
         assert refused.value.code == status, body
+
+
+@pytest.fixture(scope="module")
+def prewarming(tmp_path_factory):
+    """Two sim engines behind a gateway that prewarms a new engine with 4 prefixes."""
+    lc = LocalCluster(
+        tmp_path_factory.mktemp("prewarm"),
+        engines=2,
+        stores=2,
+        time_scale=4.0,
+        engine_options={i: {"sim_args": SMALL_KV} for i in range(3)},
+        extra_args={"gateway": ["--prewarm-top", "4"]},
+        log=lambda *_: None,
+    )
+    endpoints = lc.start(timeout_s=120)
+    try:
+        yield lc, endpoints
+    finally:
+        lc.stop()
+
+
+def test_a_prewarmed_engine_serves_its_first_hot_prefix_request_as_an_engine_hit(prewarming):
+    lc, endpoints = prewarming
+    docs = documents(400_000, 4)
+    # Each document asked a few times: the gateway counts the prefixes the fleet reused.
+    with Load(endpoints, docs, rate_per_s=8) as load:
+        load.wait_for(24, 0.0, "the requests that make the documents hot")
+    failed = [r.error for r in load.replies if r.error]
+    assert not failed, failed[:5]
+    new = lc.add_engine().name
+    with Load(endpoints, docs, rate_per_s=8) as load:
+        try:
+            wait_until(
+                lambda: sum(r.engine == new for r in list(load.replies)) >= 6,
+                timeout_s=30,
+                what=f"{new} to take requests",
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; per engine: {spread(load.replies)}") from None
+    failed = [r.error for r in load.replies if r.error]
+    assert not failed, failed[:5]
+    firsts = first_per_doc([r for r in load.replies if r.engine == new])
+    doc_blocks = DOC_TOKENS // BLOCK
+    print(f"{new}: first requests of {len(firsts)} documents: {list(firsts.values())}")
+    for doc, reply in firsts.items():
+        # Already in its own cache: neither loaded from the pool nor recomputed.
+        assert reply.hit >= doc_blocks, (doc, reply)
+        assert reply.fetched == 0 and reply.plan_hit >= doc_blocks, (doc, reply)
+        assert reply.recomputed <= 4, (doc, reply)  # the question's blocks alone
+
+
+def test_the_hot_prefixes_kept_are_the_most_hit_each_tenants_own_and_bounded():
+    """The gateway's record of what to prewarm (pure: no cluster)."""
+    from quillcache_gateway.prewarm import HASH_BYTES, HotPrefixes
+
+    hot = HotPrefixes(max_prefixes=3, max_tokens=10 * BLOCK, decay_every=1000)
+    ident, other = object(), object()
+
+    def packed(doc: int, blocks: int) -> bytes:
+        return b"".join(bytes([doc, i]) * (HASH_BYTES // 2) for i in range(blocks))
+
+    def serve(tenant: str, doc: int, blocks: int, reused: int, times: int = 1, who=ident):
+        tokens = list(range(doc * 1000, doc * 1000 + blocks * BLOCK))
+        for _ in range(times):
+            hot.record(tenant, MODEL, who, tokens, packed(doc, blocks), BLOCK, reused)
+
+    serve("a", 1, 4, 2, times=5)  # document 1's first 2 blocks, 5 hits
+    serve("a", 2, 4, 3, times=2)
+    serve("a", 1, 4, 4, times=3)  # document 1 again, all 4 blocks: it opens with the first
+    serve("b", 3, 4, 4, times=9)  # another tenant's
+    [first, second] = hot.hottest("a", 2)
+    # document 1's 4 blocks stand in for its 2-block opening (warming them warms both)
+    assert (first.blocks, first.tokens.tolist()) == (4, list(range(1000, 1000 + 4 * BLOCK)))
+    assert second.blocks == 3 and second.tokens.tolist()[0] == 2000
+    assert [p.tokens[0] for p in hot.hottest("b", 4)] == [3000]
+    assert hot.hottest("a", 4, model="another-model") == []
+    serve("a", 4, 2, 2, times=1)  # a fourth: the coldest goes (3 kept at most)
+    serve("a", 5, 2, 2, times=4)
+    kept = {p.tokens[0] for p in hot.hottest("a", 10)}
+    assert 5000 in kept and 4000 not in kept and len(kept) <= 3
+    serve("a", 6, 12, 12)  # more tokens than a tenant keeps: not kept
+    assert 6000 not in {p.tokens[0] for p in hot.hottest("a", 10)}
+    serve("a", 7, 2, 0)  # nothing reused: nothing to count
+    serve("a", 8, 2, 2, who=other)
+    assert {p.ident for p in hot.hottest("a", 10)} == {ident, other}

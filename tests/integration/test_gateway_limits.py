@@ -45,7 +45,7 @@ async def refused(s, key: str, body: dict, type_: str) -> tuple[dict, str]:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))  # as exposed
     found = re.search(rf"^quillcache_{name}\{{{re.escape(inner)}\}} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 

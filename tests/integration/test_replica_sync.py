@@ -190,7 +190,7 @@ def test_every_replica_learns_the_engines_speed_from_every_replica_s_requests(re
         timeout_s=5,
         what="A's samples on B",
     )
-    learned_a = _labelled(a, "quillcache_prefill_us_per_token")
-    learned_b = _labelled(b, "quillcache_prefill_us_per_token")
-    assert learned_a == pytest.approx(200, rel=0.02)
+    learned_a = _labelled(a, "quillcache_prefill_seconds_per_token")
+    learned_b = _labelled(b, "quillcache_prefill_seconds_per_token")
+    assert learned_a == pytest.approx(200e-6, rel=0.02)
     assert learned_b == pytest.approx(learned_a, rel=1e-6)

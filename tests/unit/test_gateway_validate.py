@@ -126,8 +126,8 @@ def test_buckets_refill_at_their_rate_and_say_how_long_to_wait():
     limiter.leave("b")
     limiter.enter("b")
     text = metrics.render()
-    assert 'quillcache_gateway_tenant_rejected_total{tenant="a",limit="rps"} 1' in text
-    assert 'quillcache_gateway_tenant_rejected_total{tenant="a",limit="tpm"} 1' in text
-    assert 'quillcache_gateway_tenant_rejected_total{tenant="b",limit="concurrent"} 1' in text
+    assert 'quillcache_gateway_tenant_rejected_total{limit="rps",tenant="a"} 1' in text
+    assert 'quillcache_gateway_tenant_rejected_total{limit="tpm",tenant="a"} 1' in text
+    assert 'quillcache_gateway_tenant_rejected_total{limit="concurrent",tenant="b"} 1' in text
     assert 'quillcache_gateway_tenant_prompt_tokens_total{tenant="a"} 130' in text
     assert 'quillcache_gateway_tenant_in_flight{tenant="a"} 3' in text

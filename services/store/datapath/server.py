@@ -70,6 +70,7 @@ from quillcache_core.storeclient.datapath.sockets import (
 )
 from quillcache_store.datapath.gate import TlsGate
 from quillcache_store.tiers.tiered import TieredStore
+from quillcache_store.timings import StoreTimings
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +162,10 @@ class BlockDataServer:
         max_block_bytes: int = 256 * 1024 * 1024,
         tls: Tls | None = None,
         local_socket: str = "",
+        timings: StoreTimings | None = None,
     ) -> None:
         self.tiered = tiered
+        self.timings = timings  # each block's get and put time (None: not timed)
         self.local_socket = local_socket  # a Unix socket's path ("" = none)
         self.max_block_bytes = max_block_bytes
         # With TLS a peer shows a certificate of a role in DATA_PORT_ROLES first.
@@ -346,6 +349,7 @@ class BlockDataServer:
             conn.close()
 
     def _send_block(self, conn: socket.socket, key: KvBlockKey) -> None:
+        started = time.perf_counter()
         pinned = self.tiered.dram.pin(key)
         if pinned is not None:
             try:
@@ -356,6 +360,8 @@ class BlockDataServer:
                 pinned.release()
             if intact:
                 self._count_sent(nbytes)
+                if self.timings is not None:
+                    self.timings.got(started, CacheTier.CPU_DRAM)
                 return
             # Sent, and refused by the destination's check. TieredStore.get re-reads
             # it, drops the corrupt copy and reports it (promoting an SSD copy if any).
@@ -372,11 +378,15 @@ class BlockDataServer:
             with self._lock:
                 self.blocks_refused += 1
             send_parts(conn, [dataproto.encode_block_error(status, str(exc))])
+            if self.timings is not None and isinstance(exc, NotFound):
+                self.timings.got(started, None)
             return
         view = memoryview(payload)
         header = dataproto.encode_block_header(tier, view.nbytes, payload_checksum(view))
         send_parts(conn, [header, view])
         self._count_sent(view.nbytes)
+        if self.timings is not None:
+            self.timings.got(started, tier)
 
     def _receive_put(self, conn: socket.socket, flags: int, identity_len: int, acks) -> None:
         """One put: its header rest, identity and payload, stored, then its ack queued
@@ -399,6 +409,7 @@ class BlockDataServer:
             raise
         n, checksum = put.payload_len, put.checksum
         filled = False
+        started = time.perf_counter()
 
         def fill(view: memoryview) -> None:
             nonlocal filled
@@ -430,6 +441,8 @@ class BlockDataServer:
         with self._lock:
             self.blocks_received += 1
             self.bytes_received += n
+        if self.timings is not None:
+            self.timings.put(started, landed)
         acks.add(dataproto.encode_ack(landed, n, checksum))
 
     def _refuse_put(self, acks: _Acks, exc: BaseException) -> None:
