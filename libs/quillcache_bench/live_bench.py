@@ -41,6 +41,12 @@ Per run: TTFT (send to first content chunk, streaming) mean/p50/p99, completed
 requests per second, errors, the engines' served requests max/mean and cached prompt
 token share (from the engines' own counters), and the control path's CPU seconds
 (gateway + conductor for QuillCache, the router process for the others; /proc).
+QuillCache's rows add its plans against what the engines delivered, request by request
+(`x-quillcache-explain: 1`): the cached-token MAE (tokens, and as a share of prompt
+tokens) and the TTFT prediction's absolute error (median, p90), judged against "MAE <
+5% of prompt tokens" where the cell's working set fits the fleet's caches (W/C <= 1:
+estimated from the cell's distinct text on sim engines, unknown on vLLM).
+`--scenario scale` runs `live_scale` instead: drain and scale-out under load.
 The decode workload (long outputs) runs with the sim engines switched in place to a
 decode-heavy shape for every system alike (`DECODE_SETTINGS`: `--decode-step-ms`
 decode steps, prefills stalling decodes as in vLLM without chunked prefill), at
@@ -67,7 +73,7 @@ from dataclasses import replace
 from pathlib import Path
 from statistics import mean
 
-from quillcache_bench import live_capacity, live_peers
+from quillcache_bench import live_capacity, live_peers, live_scale
 from quillcache_bench.capacity_workloads import WORKLOADS as CAPACITY_WORKLOADS
 from quillcache_bench.common import Progress, write_results
 from quillcache_bench.live_counters import (
@@ -85,6 +91,8 @@ from quillcache_bench.live_report import (
     goals_text,
     itl_table,
     plot,
+    prediction_goals,
+    prediction_text,
     split_goals,
     split_goals_text,
     summarise,
@@ -106,6 +114,7 @@ from quillcache_bench.live_workloads import (
     Target,
     drive,
     make_sessions,
+    working_set_tokens,
 )
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.security.credentials import tenant_context
@@ -214,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "whose first minutes are slow, else 0)",
     )
     live_capacity.add_arguments(p)
+    live_scale.add_arguments(p)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--data-dir", default="", help="cluster data and logs (default: a temp dir)")
@@ -230,6 +240,8 @@ def _names(text: str, known, what: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.scenario == "scale":
+        return live_scale.main(args)
     if live_capacity.is_capacity(_names(args.workloads, ALL_WORKLOADS, "workloads")):
         return live_capacity.main(args)
     args.engines = args.engines or 4
@@ -257,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         ours = [c.proc.pid for c in live if c.service in ("gateway", "conductor")]
         everything_ours = {c.name: c.proc.pid for c in live if not c.name.startswith("engine")}
         quillcache = Target(
-            endpoints["gateway_url"], tenant_context(endpoints), endpoints["api_keys"], model
+            endpoints["gateway_url"],
+            tenant_context(endpoints),
+            endpoints["api_keys"],
+            model,
+            explain=True,
         )
         warm_s = args.engine_warmup_s
         if warm_s < 0:
@@ -339,12 +355,14 @@ def main(argv: list[str] | None = None) -> int:
                 hold.close()
         if baseline:
             _restore(engines, baseline)
+        capacity = _fleet_kv_tokens(args, cluster)
     runs = [
         {
             "workload": w,
             "load": load,
             "rate_rps": (decode_rates if w in ITL_WORKLOADS else rates)[load],
             "systems": results[(w, load)],
+            "w_over_c": _w_over_c(details.get((w, load), {}), capacity),
         }
         for w, load in cells
         if (w, load) in results
@@ -561,6 +579,7 @@ def _run(
     figures = summarise(samples, served, cpu1[""] - cpu0[""], itl=workload in ITL_WORKLOADS)
     detail = {
         "requests": len(samples),
+        "working_set_tokens": working_set_tokens(sessions) if args.engine == "sim" else None,
         "served_per_engine": [c.requests for c in served],
         "fetched_blocks": sum(c.fetched_blocks for c in served),
         "quillcache_processes_cpu_s": round(sum(each.values()), 3),
@@ -606,12 +625,30 @@ def _slowest(samples: list, count: int = 3) -> list[dict]:
     ]
 
 
+def _fleet_kv_tokens(args, cluster) -> int | None:
+    """The engines' KV capacity in tokens: the sim engines' HBM blocks of 16 tokens
+    (None on vLLM: its KV space is its own)."""
+    return args.engines * cluster.hbm_blocks * 16 if args.engine == "sim" else None
+
+
+def _w_over_c(systems: dict, capacity: int | None) -> float | None:
+    """A cell's working set over the fleet's KV capacity (QuillCache's run of it)."""
+    working = systems.get("quillcache", {}).get("working_set_tokens")
+    if not working or not capacity:
+        return None
+    return round(working / capacity, 3)
+
+
 def _report(args, runs, details, rates, decode_rates, duration, elapsed) -> None:
     print()
     print(table(runs))
     found = goals(runs)
     print()
     print(goals_text(found))
+    predicted = prediction_goals([{**r, "cell": f"{r['workload']}/{r['load']}"} for r in runs])
+    if predicted:
+        print()
+        print(prediction_text(predicted))
     timed = itl_table(runs)
     split_found = split_goals(runs)
     if timed:
@@ -624,6 +661,7 @@ def _report(args, runs, details, rates, decode_rates, duration, elapsed) -> None
         "runs": runs,
         "goals": found,
         "split_goals": split_found,
+        "prediction_goals": predicted,
         "details": [
             {"workload": w, "load": load, "systems": systems}
             for (w, load), systems in details.items()

@@ -18,7 +18,9 @@ phase (Poisson arrivals at `--capacity-rps`, order random so a document comes ba
 more than an engine's cache of others). Per system and phase: TTFT mean, p50, p90, p99;
 inter-token latency; throughput and goodput (requests whose TTFT met the SLO, per
 second); errors; the share of prompt tokens vLLM found in its own cache and the share it
-loaded through a connector; the control path's CPU a request. The SLO is 4x the TTFT of
+loaded through a connector; the control path's CPU a request; for QuillCache its plans'
+cached tokens and TTFT against the engines' delivery (`live_report.prediction_errors`,
+its goal judged at W/C <= 1). The SLO is 4x the TTFT of
 one fully cached request of the workload, measured on the engines at the start (stated
 in the results). Before the race, sixteen documents go through QuillCache's gateway
 unmeasured (`calibrate`): its conductors learn the engines' prefill speed from what
@@ -44,7 +46,13 @@ import numpy as np
 from quillcache_bench.capacity_workloads import WORKLOADS as CAPACITY_WORKLOADS
 from quillcache_bench.capacity_workloads import make_capacity_workload
 from quillcache_bench.common import Progress, render_table, write_results
-from quillcache_bench.live_report import by_plan_kind, summarise
+from quillcache_bench.live_report import (
+    PREDICTION_FIELDS,
+    by_plan_kind,
+    prediction_goals,
+    prediction_text,
+    summarise,
+)
 from quillcache_bench.live_systems import (
     ROUTERS,
     Engine,
@@ -142,6 +150,7 @@ def figures(phase: Phase, slo_ms: float) -> dict[str, float | int]:
         "load_max_over_mean": base["load_max_over_mean"],
         "control_cpu_ms_per_request": base["control_cpu_ms_per_request"],
     }
+    out.update({k: v for k, v in base.items() if k in PREDICTION_FIELDS})  # QuillCache's
     if phase.cpu_s_by_process:
         out["cpu_s_by_process"] = phase.cpu_s_by_process
     errors = [s.error for s in phase.samples if s.error][:3]
@@ -296,7 +305,7 @@ def run(args, cluster, endpoints, engines: list[Engine], systems_of: Systems) ->
     capacity = len(engines) * args.engine_kv_tokens
     count = token_counter(cluster.vllm_model_dir)
     quillcache = Target(endpoints["gateway_url"], tenant_context(endpoints), endpoints["api_keys"],
-                        cluster.model)  # fmt: skip
+                        cluster.model, explain=True)  # fmt: skip
     ours_all = {
         c.name: c.proc.pid
         for c in cluster.children
@@ -526,6 +535,12 @@ def report(args, results, slo_ms, capacity, systems, unavailable, elapsed) -> in
     for g in found:
         print(f"  {g['cell']}: {g['goal']} = {g['value']} (limit {g['limit']}): "
               + ("met" if g["met"] else "NOT met"))  # fmt: skip
+    predicted = prediction_goals(
+        [{**r, "cell": f"{r['workload']} W/C={r['ratio']:g}", "w_over_c": r["ratio"]}
+         for r in measured]
+    )  # fmt: skip
+    if predicted:
+        print("\n" + prediction_text(predicted))
     payload = {
         "runs": [
             {"workload": r["workload"], "ratio": r["ratio"], "systems": r["systems"]}
@@ -536,6 +551,7 @@ def report(args, results, slo_ms, capacity, systems, unavailable, elapsed) -> in
         ],  # fmt: skip
         "each_run": results,
         "goals": found,
+        "prediction_goals": predicted,
         "unavailable": unavailable,
         "config": {
             "quick": args.quick,

@@ -1,6 +1,7 @@
 """`quillcache bench-live`'s figures: one system's run summarised, the table of ratios
 against QuillCache, the live goals (and the disaggregation goal on the decode-heavy
-workload: QuillCache split against colocated), the JSON payload and the PNG. Pure but
+workload: QuillCache split against colocated), the plans' predicted against delivered
+figures (`prediction_errors`, QuillCache's rows), the JSON payload and the PNG. Pure but
 for `plot` (which writes the file)."""
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ FIELDS = (
 )
 # Added for every system on a workload whose streams are timed (the decode workload).
 ITL_FIELDS = ("itl_mean_ms", "itl_p50_ms", "itl_p99_ms")
+# Added for QuillCache's rows: its plans against what the engines delivered, from each
+# request's explain figures (`prediction_errors`).
+PREDICTION_FIELDS = (
+    "pred_requests",
+    "pred_fallback_plans",
+    "pred_mae_tokens",
+    "pred_mae_share",
+    "pred_bias_tokens",
+    "pred_mispredicted_share",
+    "pred_ttft_abs_err_p50_ms",
+    "pred_ttft_abs_err_p90_ms",
+    "pred_ttft_err_p50_ms",
+)
+PREDICTION_GOAL = 0.05  # cached-token MAE below 5% of prompt tokens...
+PREDICTION_GOAL_WC = 1.0  # ...where the working set fits the fleet's caches (W/C <= 1)
 
 
 def summarise(
@@ -67,6 +83,7 @@ def summarise(
         "control_cpu_ms_per_request": 1000 * control_cpu_s / len(samples) if samples else 0.0,
         "cached_token_share": sum(c.cached_tokens for c in served) / prompt if prompt else 0.0,
     }
+    out.update(prediction_errors(samples))
     if itl:
         gaps = latency_ms([g for s in ok for g in s.itl_s])
         out["itl_mean_ms"], out["itl_p50_ms"], out["itl_p99_ms"] = (
@@ -99,6 +116,7 @@ def table(runs: Sequence[Mapping]) -> str:
                     f["control_cpu_s"],
                     f.get("control_cpu_ms_per_request", float("nan")),
                     f"{100 * f['cached_token_share']:.0f}%",
+                    f"{100 * f['pred_mae_share']:.1f}%" if "pred_mae_share" in f else "-",
                 )
             )
     return render_table(
@@ -115,6 +133,7 @@ def table(runs: Sequence[Mapping]) -> str:
             "control CPU s",
             "CPU ms/req",
             "cached",
+            "pred MAE",
         ],
         rows,
     )
@@ -344,3 +363,129 @@ def by_plan_kind(samples: list) -> dict[str, dict]:
             },
         }
     return out
+
+
+def prediction_errors(samples: Sequence[Sample]) -> dict[str, float | int]:
+    """The plans' cached tokens and TTFT against the engines' delivery, over the samples
+    whose gateway explained them (empty: none did, e.g. a router's run).
+
+    Cached tokens: `pred_mae_tokens` is the mean |delivered - predicted| over the requests
+    whose engine reported its cached tokens, `pred_mae_share` the same as a share of
+    their prompt tokens (sum of |errors| over sum of prompt tokens: the MAE over the
+    mean prompt), `pred_bias_tokens` the mean signed error (delivered - predicted),
+    `pred_mispredicted_share` the share with any error. TTFT: the median and p90 of
+    |realized - predicted| and the median signed error, over the streams the conductor
+    planned. The gateway's own fallback plans (no conductor answered in time) predict
+    nothing: they are left out and counted (`pred_fallback_plans`)."""
+    tokens, prompts, ttft = [], [], []
+    fallbacks = 0
+    for s in samples:
+        if not s.ok or not s.explain:
+            continue
+        if not s.explain.get("replica"):
+            fallbacks += 1
+            continue
+        error = s.explain.get("error") or {}
+        if isinstance(error.get("tokens"), int) and s.prompt_tokens > 0:
+            tokens.append(error["tokens"])
+            prompts.append(s.prompt_tokens)
+        if isinstance(error.get("ttft_ms"), int | float):
+            ttft.append(float(error["ttft_ms"]))
+    if not tokens and not ttft and not fallbacks:
+        return {}
+    out: dict[str, float | int] = {"pred_requests": len(tokens), "pred_fallback_plans": fallbacks}
+    if tokens:
+        errors = np.abs(np.array(tokens, dtype=float))
+        out["pred_mae_tokens"] = float(errors.mean())
+        out["pred_mae_share"] = float(errors.sum() / sum(prompts))
+        out["pred_bias_tokens"] = float(np.mean(tokens))
+        out["pred_mispredicted_share"] = float(np.count_nonzero(errors) / len(errors))
+    if ttft:
+        late = np.array(ttft)
+        out["pred_ttft_abs_err_p50_ms"] = float(np.percentile(np.abs(late), 50))
+        out["pred_ttft_abs_err_p90_ms"] = float(np.percentile(np.abs(late), 90))
+        out["pred_ttft_err_p50_ms"] = float(np.percentile(late, 50))
+    return out
+
+
+def prediction_goals(cells: Sequence[Mapping]) -> list[dict]:
+    """The prediction goal per cell with QuillCache's figures: cached-token MAE below
+    PREDICTION_GOAL of prompt tokens, judged where the cell's W/C (`w_over_c`: working
+    set over the fleet's KV capacity; None when not known) is at most
+    PREDICTION_GOAL_WC; `met` None where not judged."""
+    out = []
+    for cell in cells:
+        ours = cell["systems"].get(OURS, {})
+        if "pred_mae_share" not in ours or not ours.get("pred_requests"):
+            continue
+        wc = cell.get("w_over_c")
+        judged = wc is not None and wc <= PREDICTION_GOAL_WC
+        out.append(
+            {
+                "cell": cell["cell"],
+                "w_over_c": wc,
+                "mae_share": ours["pred_mae_share"],
+                "mae_tokens": ours["pred_mae_tokens"],
+                "ttft_abs_err_p50_ms": ours.get("pred_ttft_abs_err_p50_ms"),
+                "ttft_abs_err_p90_ms": ours.get("pred_ttft_abs_err_p90_ms"),
+                "met": (ours["pred_mae_share"] < PREDICTION_GOAL) if judged else None,
+            }
+        )
+    return out
+
+
+def prediction_text(found: Sequence[Mapping]) -> str:
+    """The prediction table and goal line, then a README-ready summary ('' if none)."""
+    if not found:
+        return ""
+    rows = [
+        (
+            g["cell"],
+            "-" if g["w_over_c"] is None else f"{g['w_over_c']:.2f}",
+            f"{100 * g['mae_share']:.1f}%",
+            g["mae_tokens"],
+            _ms(g["ttft_abs_err_p50_ms"]),
+            _ms(g["ttft_abs_err_p90_ms"]),
+            {True: "met", False: "NOT met", None: "not judged"}[g["met"]],
+        )
+        for g in found
+    ]
+    table_text = render_table(
+        ["cell", "W/C", "MAE % prompt", "MAE tokens", "|TTFT err| p50 ms", "p90 ms", "goal"],
+        rows,
+    )
+    goal = (
+        f"Goal: predicted vs delivered cached tokens, MAE < {100 * PREDICTION_GOAL:g}% of "
+        f"prompt tokens at W/C <= {PREDICTION_GOAL_WC:g}"
+    )
+    return f"{goal}\n{table_text}\n\n{prediction_summary(found)}"
+
+
+def prediction_summary(found: Sequence[Mapping]) -> str:
+    """One paragraph for the README: the MAE range where judged, the TTFT error."""
+    judged = [g for g in found if g["met"] is not None]
+    shares = [g["mae_share"] for g in (judged or found)]
+    p50s = [g["ttft_abs_err_p50_ms"] for g in found if g["ttft_abs_err_p50_ms"] is not None]
+    p90s = [g["ttft_abs_err_p90_ms"] for g in found if g["ttft_abs_err_p90_ms"] is not None]
+    where = (
+        f"over the {len(judged)} cells at W/C <= {PREDICTION_GOAL_WC:g}"
+        if judged
+        else f"over {len(found)} cells (none at a known W/C <= {PREDICTION_GOAL_WC:g})"
+    )
+    met = sum(bool(g["met"]) for g in judged)
+    text = (
+        f"- **Predicted vs delivered:** the plans' cached tokens were off by "
+        f"{100 * min(shares):.1f}-{100 * max(shares):.1f}% of prompt tokens (MAE) {where}"
+    )
+    if judged:
+        text += f", goal < {100 * PREDICTION_GOAL:g}% met in {met} of {len(judged)}"
+    if p50s:
+        text += (
+            f"; TTFT predictions off by a median {min(p50s):.0f}-{max(p50s):.0f} ms "
+            f"(p90 {min(p90s):.0f}-{max(p90s):.0f} ms)"
+        )
+    return text + "."
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"

@@ -24,7 +24,10 @@ runs (two systems, two cells) never share a block and each system starts cold.
 The client sends OpenAI chat requests (streaming) with the tenant's API key and an
 `X-Session-ID` header naming the session (the conversation, or the document asked
 about): the header vLLM router's consistent_hash keys on; the other systems ignore it.
-TTFT is from sending the request to the first chunk with content.
+TTFT is from sending the request to the first chunk with content. To QuillCache's
+gateway (`Target.explain`) a request also asks `x-quillcache-explain: 1` and the
+stream's usage: each sample keeps the plan's predicted and the engine's delivered
+cached tokens and TTFT (the `quillcache` object of the last event) and its prompt tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import contextlib
 import json
 import random
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +52,9 @@ WORKLOADS = ("chat", "docqa", "mix", "decode")
 # Workloads whose samples carry inter-token gaps (their streams are long).
 ITL_WORKLOADS = ("decode",)
 REQUEST_TIMEOUT_S = 120.0
+EXPLAIN_HEADER = "x-quillcache-explain"  # the gateway's (quillcache_gateway.delivered)
+EXPLAIN_FIELD = "quillcache"
+EXPLAIN_MARK = b'"predicted"'
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,9 @@ class Sample:
     prefill_ms: float = 0.0  # a split's prefill call, as QuillCache's gateway timed it
     disagg: str = ""  # QuillCache's x-quillcache-disagg answer, up to its first ';' (or fallback)
     plan: dict[str, str] = field(default_factory=dict)  # QuillCache's x-quillcache-* headers
+    session: str = ""  # the session's id (the conversation, or the document asked about)
+    explain: dict = field(default_factory=dict)  # QuillCache's `quillcache` object (explain)
+    prompt_tokens: int = 0  # from the stream's usage, when it had one
 
 
 def _words(rng: random.Random, low: int, high: int, scale: float = 1.0) -> str:
@@ -199,6 +209,24 @@ def _decode(rng, n, head, tenants, scale) -> list[Session]:
     return out
 
 
+def working_set_tokens(sessions: list[Session], tokens_per_word: float = 2.0) -> int:
+    """The sessions' distinct prompt tokens, estimated: every distinct paragraph of the
+    system prompts and user turns (a document asked about again counts once), its words
+    times `tokens_per_word` (the sim engine's built-in tokenizer: 2), and the answers
+    later turns carry (their max_tokens)."""
+    seen: set[str] = set()
+    words = 0
+    answers = 0
+    for session in sessions:
+        for text in (session.system, *(t.user for t in session.turns)):
+            for part in text.split("\n\n"):
+                if part not in seen:
+                    seen.add(part)
+                    words += len(part.split())
+        answers += sum(t.max_tokens for t in session.turns[:-1])
+    return round(words * tokens_per_word) + answers
+
+
 @dataclass
 class Target:
     """Where a system takes requests: its base URL, how to verify it, each tenant's key."""
@@ -207,6 +235,7 @@ class Target:
     ssl_context: ssl.SSLContext | None
     api_keys: dict[str, str] = field(default_factory=dict)
     model: str = "sim-model"
+    explain: bool = False  # QuillCache's gateway: ask for its predicted-vs-delivered figures
 
 
 async def drive(
@@ -215,9 +244,11 @@ async def drive(
     *,
     on_done: Callable[[], None] = lambda: None,
     cutoff_s: float = float("inf"),
+    stop: threading.Event | None = None,
 ) -> list[Sample]:
     """Run every session against `target`; a turn that would start after `cutoff_s`
-    (seconds from the start) is not sent. Returns one sample per request sent."""
+    (seconds from the start), or once `stop` is set (from any thread), is not sent.
+    Returns one sample per request sent."""
     samples: list[Sample] = []
     connector = aiohttp.TCPConnector(
         limit=0, ssl=target.ssl_context if target.ssl_context is not None else False
@@ -227,12 +258,15 @@ async def drive(
         began = time.perf_counter()
 
         async def run(session: Session) -> None:
-            await asyncio.sleep(max(0.0, session.start_s - (time.perf_counter() - began)))
+            while (wait := session.start_s - (time.perf_counter() - began)) > 0:
+                if stop is not None and stop.is_set():
+                    return
+                await asyncio.sleep(wait if stop is None else min(wait, 0.5))
             messages = [{"role": "system", "content": session.system}]
             for turn in session.turns:
                 if turn.think_s:
                     await asyncio.sleep(turn.think_s)
-                if time.perf_counter() - began > cutoff_s:
+                if time.perf_counter() - began > cutoff_s or (stop is not None and stop.is_set()):
                     return
                 messages.append({"role": "user", "content": turn.user})
                 sample, answer = await _one(http, target, session, messages, turn)
@@ -245,7 +279,7 @@ async def drive(
 
 
 async def _one(http, target: Target, session: Session, messages, turn: Turn) -> tuple[Sample, str]:
-    sample = Sample(session.tenant)
+    sample = Sample(session.tenant, session=session.session_id)
     key = target.api_keys.get(session.tenant, "none")
     headers = {"Authorization": f"Bearer {key}", "X-Session-ID": session.session_id}
     body = {
@@ -256,6 +290,9 @@ async def _one(http, target: Target, session: Session, messages, turn: Turn) -> 
     }
     if turn.ignore_eos:
         body["ignore_eos"] = True
+    if target.explain:
+        headers[EXPLAIN_HEADER] = "1"
+        body["stream_options"] = {"include_usage": True}
     answer = ""
     sample.sent_s = time.perf_counter()
     try:
@@ -272,10 +309,15 @@ async def _one(http, target: Target, session: Session, messages, turn: Turn) -> 
             if reply.status != 200:
                 sample.error = f"HTTP {reply.status}: {(await reply.text())[:200]}"
             else:
-                lines = _Timed(reply.content) if turn.ignore_eos else reply.content
-                answer, _ = await read_chat_stream(lines, sample.sent_s, sample)
+                tapped = turn.ignore_eos or target.explain
+                lines = _Timed(reply.content) if tapped else reply.content
+                answer, usage = await read_chat_stream(lines, sample.sent_s, sample)
                 if turn.ignore_eos:
                     sample.itl_s = inter_token_s(lines.content_arrivals())
+                if target.explain:
+                    sample.explain = lines.explained()
+                    if isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int:
+                        sample.prompt_tokens = usage["prompt_tokens"]
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         sample.error = repr(exc)[:200]
     sample.done_s = time.perf_counter()
@@ -287,7 +329,8 @@ async def _one(http, target: Target, session: Session, messages, turn: Turn) -> 
 
 class _Timed:
     """A stream's lines as `read_chat_stream` reads them, each one's arrival noted: the
-    times of the chunks with content (for the gaps between tokens)."""
+    times of the chunks with content (for the gaps between tokens), and the gateway's
+    `quillcache` object (explain) of the event that carries it."""
 
     def __init__(self, content) -> None:
         self._lines = content.__aiter__()
@@ -301,6 +344,19 @@ class _Timed:
         if raw.startswith(b"data:"):
             self._seen.append((time.perf_counter(), raw))
         return raw
+
+    def explained(self) -> dict:
+        """The last event's `quillcache` object with predicted and delivered figures."""
+        for _, raw in reversed(self._seen):
+            if EXPLAIN_MARK not in raw:
+                continue
+            try:
+                found = json.loads(raw[5:]).get(EXPLAIN_FIELD)
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(found, dict) and "predicted" in found:
+                return found
+        return {}
 
     def content_arrivals(self) -> list[float]:
         out = []

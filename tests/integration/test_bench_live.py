@@ -166,3 +166,39 @@ def test_ours_stand_still_while_a_router_runs_and_go_on_after(tmp_path: Path) ->
     finally:
         busy.kill()
         busy.wait()
+
+
+@pytest.mark.timeout(120)
+def test_the_scale_scenario_runs_end_to_end_on_sim_engines(tmp_path: Path) -> None:
+    """`bench-live --scenario scale`, short: a steady phase, a drain under load (no
+    request fails), an engine added, and the results written with their goals."""
+    import time
+
+    from quillcache_bench.live_bench import main
+
+    started = time.monotonic()
+    code = main(
+        ["--scenario", "scale", "--phase-s", "4", "--scale-window-s", "5", "--scale-rps", "6",
+         "--prompt-scale", "0.3", "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert code == 0
+    result = json.loads((tmp_path / "scale-latest.json").read_text())
+    assert (tmp_path / "scale-latest.png").stat().st_size > 0
+    figures = result["figures"]
+    drained = figures["drain"]["engine"]
+    assert drained in {"engine-0", "engine-1", "engine-2"}
+    assert result["drain_report"]["state"] == "drained", result["drain_report"]
+    assert result["drain_report"]["open_requests"] == 0
+    assert figures["drain"]["failed_through_drain"] == 0
+    assert figures["scale_out"]["engine"] == "engine-3"
+    timeline = result["timeline"]
+    assert len(timeline) >= 50 and not [r for r in timeline if not r[5]]
+    # no request was sent to the drained engine once its drain had returned
+    drained_at = result["marks_s"]["drain_end"]
+    assert not [r for r in timeline if r[0] > drained_at + 1.0 and r[2] == drained]
+    assert figures["prediction"]["pred_requests"] > 0
+    assert 0 <= figures["prediction"]["pred_mae_share"] <= 1
+    assert len(result["goals"]) == 6
+    print(f"scale scenario in {elapsed:.0f}s: {[(g['goal'], g['met']) for g in result['goals']]}")
+    assert elapsed < 60

@@ -553,16 +553,22 @@ class LocalCluster:
                 time.sleep(0.05)
 
     def add_engine(self, timeout_s: float = 60.0) -> Child:
-        """Start one more sim engine (the next `engine-{i}`, as `topology` lays it out)
-        in the running cluster; returns once every conductor sees it (scale-out)."""
-        if self.engine_kind != "sim" or self.etcd is None:
-            raise ClusterError("add_engine starts a sim engine in a running sim cluster")
+        """Start one more engine (the next `engine-{i}`, as `topology` lays it out: a sim
+        engine, or a real vLLM server and its registration) in the running cluster;
+        returns once every conductor sees it (scale-out). A vLLM server's cold start
+        is given at least 300 s, as at `start`."""
+        if self.etcd is None:
+            raise ClusterError("add_engine adds an engine to a running cluster")
         with self.lock:
             fields = {c.name: c.fields for c in self.children}
             self.engines += 1
         fields["etcd"] = {"url": self.etcd.client_url}
         spec = next(s for s in self.topology() if s.name == f"engine-{self.engines - 1}")
-        child = self._run(spec.name, spec.service, spec.resolve(fields), timeout_s)
+        if spec.service == "vllm":
+            store = next(c for c in self.children if c.name == spec.store)
+            child = self._start_vllm(spec.engine, store, spec.resolve(fields), timeout_s)
+        else:
+            child = self._run(spec.name, spec.service, spec.resolve(fields), timeout_s)
         for conductor in (c for c in self.children if c.service == "conductor"):
             self._wait_engines_visible(conductor.fields["grpc"], self.engines, timeout_s)
         return child
