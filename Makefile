@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint deploy-check bench-planner protos vllm-env
+.PHONY: install run test lint deploy-check bench-planner protos vllm-env tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,12 @@ deploy-check: install
 vllm-env: install
 	$(VENV)/bin/quillcache vllm-env
 
-test: lint vllm-env
+# The machine's tools the tests run: promtool (Debian's prometheus) and chromium, installed
+# with apt-get when missing (as root; scripts/tools.sh).
+tools:
+	bash scripts/tools.sh install
+
+test: tools lint vllm-env
 	QC_REQUIRE_VLLM=1 $(VENV)/bin/pytest
 
 bench-planner: install

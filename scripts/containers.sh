@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepare a machine like ours (Debian bookworm, root, no Docker daemon, no image
-# registry) for containers, then build the project's image from the Dockerfile.
+# registry) for containers, then build the project's images: the one of every QuillCache
+# process (Dockerfile) and docker-compose.yml's Prometheus (Dockerfile.prometheus).
 #
 #   scripts/containers.sh [all]   install + conf + base + image (each step skips what is done)
 #   scripts/containers.sh env     print the exports every podman / podman-compose call needs
@@ -14,7 +15,9 @@
 #   base     a Debian rootfs with python3 (mmdebstrap, the mirror apt uses), the host's
 #            CA certificates in it (pip verifies TLS against them inside a build),
 #            imported as $QC_BASE_IMAGE (default localhost/quillcache-base:bookworm)
-#   image    `podman build --build-arg PYTHON_IMAGE=$QC_BASE_IMAGE -t quillcache:latest .`
+#   image    `podman build --build-arg PYTHON_IMAGE=$QC_BASE_IMAGE -t quillcache:latest .`,
+#            and the same base with Debian's prometheus package:
+#            `-f Dockerfile.prometheus -t quillcache-prometheus:latest` ($QC_PROMETHEUS_IMAGE)
 #
 # Elsewhere, with a real Docker and the public Python image, `docker build .` and
 # `docker compose up` need none of this.
@@ -24,6 +27,7 @@ cd "$(dirname "$0")/.."
 DIR="${QC_CONTAINERS_DIR:-$HOME/.cache/quillcache/containers}"
 BASE_IMAGE="${QC_BASE_IMAGE:-localhost/quillcache-base:bookworm}"
 IMAGE="${QC_IMAGE:-quillcache:latest}"
+PROMETHEUS_IMAGE="${QC_PROMETHEUS_IMAGE:-quillcache-prometheus:latest}"
 VENV="${VENV:-.venv}"
 export CONTAINERS_CONF="$DIR/containers.conf"
 export CONTAINERS_STORAGE_CONF="$DIR/storage.conf"
@@ -86,6 +90,11 @@ image() {
     log "building $IMAGE from the Dockerfile (base $BASE_IMAGE)"
     podman build --quiet --build-arg "PYTHON_IMAGE=$BASE_IMAGE" -t "$IMAGE" . >/dev/null
     podman image inspect "$IMAGE" --format 'containers: {{.Id}} {{.Size}} bytes' >&2
+    # apt-get inside the build reaches the Debian mirror the base came from.
+    log "building $PROMETHEUS_IMAGE from Dockerfile.prometheus (base $BASE_IMAGE)"
+    podman build --quiet --build-arg "PYTHON_IMAGE=$BASE_IMAGE" -f Dockerfile.prometheus \
+        -t "$PROMETHEUS_IMAGE" . >/dev/null
+    podman image inspect "$PROMETHEUS_IMAGE" --format 'containers: {{.Id}} {{.Size}} bytes' >&2
 }
 
 case "${1:-all}" in

@@ -48,6 +48,7 @@ COMPOSE_SERVICES = {
     "engine-0": "sim-engine",
     "engine-1": "sim-engine",
     "gateway": "gateway",
+    "prometheus": None,  # Dockerfile.prometheus; k8s/monitoring/prometheus-compose.yml
 }
 # One-shot compose services (exit 0, then the others start): the certificates, each
 # role's credentials (and the generated API keys), and etcd's users and roles.
@@ -441,8 +442,8 @@ def test_compose_volumes_hold_the_data_dirs() -> None:
     for name, service in compose["services"].items():
         for mount in service.get("volumes", []):
             volume, target = mount.split(":")[:2]
-            if volume.startswith("./"):  # a file of this checkout, bound read-only
-                assert (ROOT / volume).is_file() and mount.endswith(":ro"), (name, mount)
+            if volume.startswith("./"):  # a file or folder of this checkout, bound read-only
+                assert (ROOT / volume).exists() and mount.endswith(":ro"), (name, mount)
                 continue
             assert volume in declared, f"{name} mounts undeclared volume {volume}"
             if volume == "certs" or volume.startswith("certs-"):  # test_deploy_security.py

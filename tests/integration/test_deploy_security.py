@@ -63,7 +63,17 @@ from tests.support.services import ServiceProcess
 
 pytestmark = pytest.mark.integration
 
-ROLES = ("gateway", "conductor", "store", "transfer", "engine", "operator", "etcd", "root")
+ROLES = (
+    "gateway",
+    "conductor",
+    "store",
+    "transfer",
+    "engine",
+    "operator",
+    "etcd",
+    "root",
+    "monitor",
+)
 # The role each k8s workload (and Job) runs as: the certificate it mounts.
 K8S_ROLES = {
     "conductor": "conductor",
@@ -80,6 +90,7 @@ SHARED_SECRETS = {"tenant-secret": {"gateway"}, "engine-api-key": {"gateway", "e
 COMPOSE_ROLES = {
     "etcd": "etcd",
     "etcd-auth": "root",
+    "prometheus": "monitor",
     **{name: command.replace("sim-engine", "engine") for name, command in
        COMPOSE_SERVICES.items() if command},
 }  # fmt: skip

@@ -39,8 +39,20 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 # The component roles. `root` is etcd's administrator (sets up its users and roles);
-# `etcd` is the registry server's own identity; `operator` is a person or a script.
-ROLES = ("gateway", "conductor", "store", "transfer", "engine", "operator", "etcd", "root")
+# `etcd` is the registry server's own identity; `operator` is a person or a script;
+# `monitor` is a metrics scraper (Prometheus): every /metrics takes it, no QuillCache
+# RPC does (security/access.py names it nowhere).
+ROLES = (
+    "gateway",
+    "conductor",
+    "store",
+    "transfer",
+    "engine",
+    "operator",
+    "etcd",
+    "root",
+    "monitor",
+)
 SERVER_NAME = "quillcache"
 TENANT_SECRET = "tenant-secret"
 ENGINE_KEY = "engine-api-key"
