@@ -369,6 +369,23 @@ def test_quillcache_up_writes_endpoints_and_stops_cleanly_on_sigterm(tmp_path):
             assert b"quillcache_gateway_goodput" in reply.read()
         pids = _cluster_pids(tmp_path / "data")
         assert pids, "child processes found"
+        # The README's first request, run as written from where `make run` writes the
+        # endpoints file.
+        (tmp_path / ".quillcache-endpoints.json").write_text(endpoints_file.read_text())
+        readme_block = _readme_block_with("curl ")
+        shown = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", readme_block],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        head, _, body = shown.stdout.partition("\n\n")  # text=True reads CRLF as \n
+        assert head.startswith("HTTP/1.1 200"), head
+        assert "x-quillcache-engine:" in head.lower()
+        assert '"predicted"' in body and '"delivered"' in body, shown.stdout
+        assert body.rstrip().endswith("data: [DONE]")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         code = proc.wait(timeout=60)
@@ -376,6 +393,15 @@ def test_quillcache_up_writes_endpoints_and_stops_cleanly_on_sigterm(tmp_path):
     assert code == 0, (tmp_path / "up.log").read_text()[-2000:]
     assert "stopped." in (tmp_path / "up.log").read_text()
     wait_until(lambda: not any(_alive(p) for p in pids), timeout_s=10, what="children gone")
+
+
+def _readme_block_with(text: str) -> str:
+    """The README's shell block that contains `text`."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = readme.split("```sh\n")[1:]
+    found = [b.split("```", 1)[0] for b in blocks if text in b.split("```", 1)[0]]
+    assert len(found) == 1, f"one README block with {text!r}, found {len(found)}"
+    return found[0]
 
 
 def _cluster_pids(data_dir: Path) -> list[int]:
@@ -401,11 +427,13 @@ def _alive(pid: int) -> bool:
 
 
 def _metric(endpoints, url: str, name: str) -> float:
+    """The sum of a metric's samples over their labels."""
+    total = 0.0
     with urllib.request.urlopen(url, timeout=5, context=https(endpoints)) as reply:
         for line in reply.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
+            if line.startswith((name + " ", name + "{")):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def test_ttft_budget_header_drives_the_goodput_metric(cluster):
