@@ -231,8 +231,13 @@ class Gateway:
         )
         self.open_plans = OpenPlans(m, lambda finish: self._finishes.submit(finish))
         self.disagg = Disaggregator(registry_url=config.registry, tls=self.tls, metrics=m)
-        self.prewarm = Prewarmer(config.prewarm_top, config.prewarm_timeout_s,
-                                 config.prewarm_poll_s, config.block_bytes, m)  # fmt: skip
+        self.prewarm = Prewarmer(
+            config.prewarm_top,
+            config.prewarm_timeout_s,
+            config.prewarm_poll_s,
+            config.block_bytes,
+            m,
+        )
         self.conductor: ConductorReplicas | None = None
         self._stats: ConductorReplicas | None = None
         self._finishes: FinishQueue | None = None
