@@ -166,7 +166,8 @@ def test_the_connector_s_load_and_save_histograms_are_on_vllm_s_own_metrics(pool
     with its step statistics to the API server, whose /metrics shows them."""
     cluster, endpoints = pool_fleet
     loads, saves = "quillcache_connector_load_seconds", "quillcache_connector_save_seconds"
-    engine, _, _ = answered_and_saved(endpoints, text(70, 300))
+    prompt = text(75, 300)  # a prompt of its own: the other tests wait for theirs to be saved
+    engine, _, _ = answered_and_saved(endpoints, prompt)
     wait_until(
         lambda: histogram_count(endpoints, engine, saves) > 0,
         timeout_s=15,
@@ -174,7 +175,7 @@ def test_the_connector_s_load_and_save_histograms_are_on_vllm_s_own_metrics(pool
     )
     loaded = histogram_count(endpoints, engine, loads)
     reset_cache(cluster, endpoints, engine)
-    ask(endpoints, "completion", MODEL, text(70, 300), max_tokens=4)
+    ask(endpoints, "completion", MODEL, prompt, max_tokens=4)
     wait_until(
         lambda: histogram_count(endpoints, engine, loads) > loaded,
         timeout_s=15,

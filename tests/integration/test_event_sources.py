@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography import x509
+from prometheus_client.parser import text_string_to_metric_families
 
 from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_core.launch.cluster import LocalCluster
@@ -113,13 +114,17 @@ def ingest(endpoints, tls: Tls, batch) -> list[grpc.StatusCode]:
 def refused(endpoints, source: str, reason: str) -> float:
     """kv_event_batches_refused_total{source,reason} summed over the conductors."""
     total = 0.0
-    series = f'kv_event_batches_refused_total{{source="{source}",reason="{reason}"}} '
     for name in ("conductor", "conductor-1"):
         url = endpoints["metrics"][name]
         with urllib.request.urlopen(url, timeout=5, context=https(endpoints)) as reply:
-            for line in reply.read().decode().splitlines():
-                if series in line + " " and not line.startswith("#"):
-                    total += float(line.rsplit(" ", 1)[1])
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "quillcache_kv_event_batches_refused_total" and sample.labels == {
+                    "source": source,
+                    "reason": reason,
+                }:
+                    total += sample.value
     return total
 
 
