@@ -5,14 +5,13 @@ the conductor stops claiming blocks an engine turned out to have lost."""
 from __future__ import annotations
 
 import json
-import re
 import urllib.request
 
 import pytest
 
 from quillcache_core.launch.cluster import LocalCluster
 from quillcache_core.security.credentials import as_gateway, tenant_context
-from tests.support.cluster import https
+from tests.support.metrics import scrape, series
 from tests.support.services import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -64,21 +63,6 @@ def events(raw: bytes) -> list:
         if event.startswith(b"data: {"):
             out.append(json.loads(event[6:]))
     return out
-
-
-def scrape(endpoints, url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10, context=https(endpoints)) as reply:
-        return reply.read().decode()
-
-
-def series(text: str, name: str, **labels: str) -> float:
-    """The sum of a metric's samples whose labels include `labels`."""
-    total = 0.0
-    for line in text.splitlines():
-        match = re.match(rf"{re.escape(name)}(\{{.*\}})? (\S+)$", line)
-        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
-            total += float(match.group(2))
-    return total
 
 
 def gateway_metric(endpoints, name: str, **labels: str) -> float:

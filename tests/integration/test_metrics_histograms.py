@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -20,7 +19,8 @@ from quillcache_core.security.credentials import operator_tls, role_tls, tenant_
 from quillcache_core.security.tls import grpc_channel
 from quillcache_core.storeclient import wire
 from quillcache_core.storeclient.client import StoreClient
-from tests.support.cluster import https
+from tests.support.metrics import scrape as scrape_url
+from tests.support.metrics import series
 from tests.support.services import wait_until
 from tests.support.stores import block_key, kv_payload
 
@@ -42,19 +42,12 @@ def cluster(tmp_path_factory):
 
 
 def scrape(endpoints, process: str) -> str:
-    url = endpoints["metrics"][process]
-    with urllib.request.urlopen(url, timeout=10, context=https(endpoints)) as reply:
-        return reply.read().decode()
+    return scrape_url(endpoints, endpoints["metrics"][process])
 
 
 def count(text: str, name: str, **labels: str) -> float:
     """A histogram's observations (its _count samples whose labels include `labels`)."""
-    total = 0.0
-    for line in text.splitlines():
-        found = re.match(rf"{re.escape(name)}_count(\{{.*\}})? (\S+)$", line)
-        if found and all(f'{k}="{v}"' in (found.group(1) or "") for k, v in labels.items()):
-            total += float(found.group(2))
-    return total
+    return series(text, f"{name}_count", **labels)
 
 
 def ask(endpoints, body: dict) -> int:
