@@ -496,14 +496,7 @@ def _bypass_connector(data_dir: Path, bypass: bool) -> None:
 
 
 def _start_cluster(args, data_dir: Path):
-    from quillcache_core.launch.cluster import ClusterError, LocalCluster
-    from quillcache_core.launch.up import build_parser as up_parser
-
-    args.conductors = args.conductors or int(up_parser().get_default("conductors"))
-
-    shape = [
-        a for name, value in KV_SHAPE.items() for a in (f"--{name.replace('_', '-')}", str(value))
-    ]
+    shape = sim_shape_args()
     options = (
         {i: {"sim_args": ["--plain-http-port", "0", *shape]} for i in range(args.engines)}
         if args.engine == "sim"
@@ -511,27 +504,47 @@ def _start_cluster(args, data_dir: Path):
             i: {"connector_bypass_file": str(_bypass_file(data_dir))} for i in range(args.engines)
         }
     )
+    return start_live_cluster(args, data_dir, args.engines, options, what="bench-live")
+
+
+def sim_shape_args() -> list[str]:
+    """The sim engines' KV shape (KV_SHAPE) as their flags."""
+    return [
+        a for name, value in KV_SHAPE.items() for a in (f"--{name.replace('_', '-')}", str(value))
+    ]
+
+
+def start_live_cluster(
+    args, data_dir: Path, engines: int, engine_options: dict, *, gateway_args=(), what: str
+):
+    """The cluster every live run drives: `engines` engines of `args.engine`, two store
+    nodes, the conductor replicas of `args.conductors` (default: as `quillcache up`
+    starts), the tenants' API keys, sim-sized blocks on sim engines; (cluster, endpoints)."""
+    from quillcache_core.launch.cluster import ClusterError, LocalCluster
+    from quillcache_core.launch.up import build_parser as up_parser
+
+    args.conductors = args.conductors or int(up_parser().get_default("conductors"))
     sized = ["--block-bytes", str(BLOCK_BYTES)] if args.engine == "sim" else []
     cluster = LocalCluster(
         data_dir,
-        engines=args.engines,
+        engines=engines,
         stores=2,
         time_scale=args.time_scale,
         engine_kind=args.engine,
         model="sim-model" if args.engine == "sim" else "tiny",
-        engine_options=options,
+        engine_options=engine_options,
         # Real vLLM has one port, and the routers cannot present client certificates:
         # with vLLM every system, ours included, runs in plaintext.
         insecure=args.engine == "vllm",
         conductors=args.conductors,
-        extra_args={"gateway": sized, "conductor": sized},
+        extra_args={"gateway": [*sized, *gateway_args], "conductor": sized},
         log=lambda *_: None,
     )
     cluster.api_keys = {t: f"qc-{t}-{hashlib.sha256(t.encode()).hexdigest()[:12]}" for t in TENANTS}
     try:
         endpoints = cluster.start(timeout_s=120.0)
     except ClusterError as exc:
-        raise SystemExit(f"quillcache bench-live: the cluster did not start: {exc}") from None
+        raise SystemExit(f"quillcache {what}: the cluster did not start: {exc}") from None
     return cluster, endpoints
 
 

@@ -535,39 +535,24 @@ def _prompt_scale(args) -> float:
 
 
 def _start_cluster(args, data_dir: Path):
-    from quillcache_bench.live_bench import BLOCK_BYTES, KV_SHAPE
-    from quillcache_core.launch.cluster import ClusterError, LocalCluster
-    from quillcache_core.launch.up import build_parser as up_parser
+    from quillcache_bench.live_bench import sim_shape_args, start_live_cluster
 
-    conductors = args.conductors or int(up_parser().get_default("conductors"))
-    shape = [a for k, v in KV_SHAPE.items() for a in (f"--{k.replace('_', '-')}", str(v))]
-    sim = args.engine == "sim"
-    sized = ["--block-bytes", str(BLOCK_BYTES)] if sim else []
-    gateway = sized + (
-        ["--prewarm-top", str(args.scale_prewarm_top)] if args.scale_prewarm_top else []
+    shape = sim_shape_args()
+    # the engine added later (index scale_engines) is shaped alike
+    options = (
+        {i: {"sim_args": shape} for i in range(args.scale_engines + 1)}
+        if args.engine == "sim"
+        else {}
     )
-    cluster = LocalCluster(
+    prewarm = ["--prewarm-top", str(args.scale_prewarm_top)] if args.scale_prewarm_top else []
+    return start_live_cluster(
+        args,
         data_dir,
-        engines=args.scale_engines,
-        stores=2,
-        time_scale=args.time_scale,
-        engine_kind=args.engine,
-        model="sim-model" if sim else "tiny",
-        # the engine added later (index scale_engines) is shaped alike
-        engine_options={i: {"sim_args": shape} for i in range(args.scale_engines + 1)}
-        if sim
-        else {},
-        insecure=not sim,
-        conductors=conductors,
-        extra_args={"gateway": gateway, "conductor": sized},
-        log=lambda *_: None,
+        args.scale_engines,
+        options,
+        gateway_args=prewarm,
+        what="bench-live --scenario scale",
     )
-    cluster.api_keys = {t: f"qc-{t}-{hashlib.sha256(t.encode()).hexdigest()[:12]}" for t in TENANTS}
-    try:
-        endpoints = cluster.start(timeout_s=120.0)
-    except ClusterError as exc:
-        raise SystemExit(f"quillcache bench-live --scenario scale: no cluster: {exc}") from None
-    return cluster, endpoints
 
 
 def _run(args, cluster, endpoints, phase_s: float, window_s: float):
