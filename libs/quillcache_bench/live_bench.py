@@ -515,11 +515,19 @@ def sim_shape_args() -> list[str]:
 
 
 def start_live_cluster(
-    args, data_dir: Path, engines: int, engine_options: dict, *, gateway_args=(), what: str
+    args,
+    data_dir: Path,
+    engines: int,
+    engine_options: dict,
+    *,
+    gateway_args=(),
+    what: str,
+    insecure: bool | None = None,
 ):
     """The cluster every live run drives: `engines` engines of `args.engine`, two store
     nodes, the conductor replicas of `args.conductors` (default: as `quillcache up`
-    starts), the tenants' API keys, sim-sized blocks on sim engines; (cluster, endpoints)."""
+    starts), the tenants' API keys, sim-sized blocks on sim engines; (cluster, endpoints).
+    `insecure` None: plaintext with vLLM engines only (the races' rule, below)."""
     from quillcache_core.launch.cluster import ClusterError, LocalCluster
     from quillcache_core.launch.up import build_parser as up_parser
 
@@ -535,7 +543,7 @@ def start_live_cluster(
         engine_options=engine_options,
         # Real vLLM has one port, and the routers cannot present client certificates:
         # with vLLM every system, ours included, runs in plaintext.
-        insecure=args.engine == "vllm",
+        insecure=args.engine == "vllm" if insecure is None else insecure,
         conductors=args.conductors,
         extra_args={"gateway": [*sized, *gateway_args], "conductor": sized},
         log=lambda *_: None,

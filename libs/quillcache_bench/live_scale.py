@@ -495,7 +495,8 @@ def main(args) -> int:
         "goals": goals,
         "drain_report": drain_report,
         "marks_s": {k: round(v - t0, 3) for k, v in marks.items()},
-        # each request: [sent at s, TTFT ms, engine, plan kind, document, answered]
+        # each request: [sent at s, TTFT ms, engine, plan kind, document, answered,
+        # the plan's blocks [hit, fetched, recomputed], the cached tokens delivered]
         "timeline": [
             [
                 round(s.sent_s - t0, 3),
@@ -504,6 +505,8 @@ def main(args) -> int:
                 kind_of(s),
                 s.session,
                 s.ok,
+                [s.plan.get(f"{k}-blocks") for k in ("hit", "fetch", "recompute")],
+                (s.explain.get("delivered") or {}).get("cached_tokens"),
             ]
             for s in sorted(samples, key=lambda s: s.sent_s)
         ],
@@ -552,6 +555,9 @@ def _start_cluster(args, data_dir: Path):
         options,
         gateway_args=prewarm,
         what="bench-live --scenario scale",
+        # No router runs in this scenario, so nothing needs plaintext: TLS as
+        # `quillcache up` runs it, on vLLM engines too.
+        insecure=False,
     )
 
 
