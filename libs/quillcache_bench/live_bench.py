@@ -45,7 +45,8 @@ QuillCache's rows add its plans against what the engines delivered, request by r
 (`x-quillcache-explain: 1`): the cached-token MAE (tokens, and as a share of prompt
 tokens) and the TTFT prediction's absolute error (median, p90), judged against "MAE <
 5% of prompt tokens" where the cell's working set fits the fleet's caches (W/C <= 1:
-estimated from the cell's distinct text on sim engines, unknown on vLLM).
+estimated from the cell's distinct text, in the vLLM model's own tokens on vLLM, over
+the engines' KV capacity as they publish it).
 `--scenario scale` runs `live_scale` instead: drain and scale-out under load.
 The decode workload (long outputs) runs with the sim engines switched in place to a
 decode-heavy shape for every system alike (`DECODE_SETTINGS`: `--decode-step-ms`
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster, endpoints = _start_cluster(args, data_dir)
         stack.callback(cluster.stop)
         engines = _engines(cluster, args.engine)
+        count = _token_count(args, cluster)
         model = cluster.model
         live = [c for c in cluster.children if c.proc is not None]
         # Our control path: the gateway and every conductor replica.
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     seconds = _decode_seconds(args, duration) if timed else duration
                     figures, detail = _run(
                         args, system, workload, load, rate, seconds, target, engines,
-                        pids, everything_ours, label, endpoints,
+                        pids, everything_ours, label, endpoints, count,
                     )  # fmt: skip
                     if router is None:
                         gateway1 = gateway_counters(endpoints)
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                 hold.close()
         if baseline:
             _restore(engines, baseline)
-        capacity = _fleet_kv_tokens(args, cluster)
+        capacity = _fleet_kv_tokens(args, cluster, engines)
     runs = [
         {
             "workload": w,
@@ -570,7 +572,7 @@ def _engines(cluster, kind: str) -> list[Engine]:
 
 def _run(
     args, system, workload, load, rate, duration, target, engines, pids, ours_all, label,
-    endpoints,
+    endpoints, count=None,
 ) -> tuple[dict, dict]:  # fmt: skip
     scale = _prompt_scale(args)
     # Real vLLM engines are slow for their first requests after a start: without this,
@@ -600,7 +602,7 @@ def _run(
     figures = summarise(samples, served, cpu1[""] - cpu0[""], itl=workload in ITL_WORKLOADS)
     detail = {
         "requests": len(samples),
-        "working_set_tokens": working_set_tokens(sessions) if args.engine == "sim" else None,
+        "working_set_tokens": working_set_tokens(sessions, count=count),
         "served_per_engine": [c.requests for c in served],
         "fetched_blocks": sum(c.fetched_blocks for c in served),
         "quillcache_processes_cpu_s": round(sum(each.values()), 3),
@@ -646,10 +648,29 @@ def _slowest(samples: list, count: int = 3) -> list[dict]:
     ]
 
 
-def _fleet_kv_tokens(args, cluster) -> int | None:
-    """The engines' KV capacity in tokens: the sim engines' HBM blocks of 16 tokens
-    (None on vLLM: its KV space is its own)."""
-    return args.engines * cluster.hbm_blocks * 16 if args.engine == "sim" else None
+def _fleet_kv_tokens(args, cluster, engines: list[Engine]) -> int | None:
+    """The engines' KV capacity in tokens: the sim engines' HBM blocks of 16 tokens, or
+    what each vLLM engine publishes of its cache (None when one does not)."""
+    if args.engine == "sim":
+        return args.engines * cluster.hbm_blocks * 16
+    found = [e.kv_tokens() for e in engines]
+    return None if None in found else sum(found)
+
+
+def _token_count(args, cluster):
+    """How many tokens a paragraph is to the cluster's engines: None on sim engines
+    (their built-in tokenizer: 2 a word), else the vLLM model's own tokenizer."""
+    if args.engine == "sim":
+        return None
+    from quillcache_core.identity.tokenize import ModelTokenizer
+    from quillcache_core.launch import vllm_env
+
+    env = vllm_env.find(build_model=False)
+    directory = cluster.vllm_model_dir or (env.model_dir if env is not None else None)
+    if directory is None:
+        return None
+    tokenizer = ModelTokenizer(directory)
+    return lambda text: len(tokenizer.encode(text))
 
 
 def _w_over_c(systems: dict, capacity: int | None) -> float | None:

@@ -261,6 +261,20 @@ class Engine:
             external_tokens=metric_sum(text, "vllm:external_prefix_cache_hits_total"),
         )
 
+    def kv_tokens(self) -> int | None:
+        """A vLLM engine's KV cache in tokens, as it publishes it (`vllm:cache_config_info`:
+        num_gpu_blocks of block_size tokens); None for a sim engine or when absent."""
+        if self.kind == "sim":
+            return None
+        for line in metric_text(f"{self.url}/metrics").splitlines():
+            if line.startswith("vllm:cache_config_info{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+                try:
+                    return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+                except (KeyError, ValueError):
+                    return None
+        return None
+
     def settings(self, changes: dict | None = None) -> dict:
         """A sim engine's settable settings (GET /sim/settings), after applying
         `changes` (POST) if any."""

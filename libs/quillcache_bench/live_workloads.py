@@ -209,22 +209,27 @@ def _decode(rng, n, head, tenants, scale) -> list[Session]:
     return out
 
 
-def working_set_tokens(sessions: list[Session], tokens_per_word: float = 2.0) -> int:
+def working_set_tokens(
+    sessions: list[Session],
+    tokens_per_word: float = 2.0,
+    count: Callable[[str], int] | None = None,
+) -> int:
     """The sessions' distinct prompt tokens, estimated: every distinct paragraph of the
-    system prompts and user turns (a document asked about again counts once), its words
-    times `tokens_per_word` (the sim engine's built-in tokenizer: 2), and the answers
-    later turns carry (their max_tokens)."""
+    system prompts and user turns (a document asked about again counts once), its
+    tokens as `count` tells (a model's tokenizer) or its words times `tokens_per_word`
+    (the sim engine's built-in tokenizer: 2), and the answers later turns carry (their
+    max_tokens)."""
     seen: set[str] = set()
-    words = 0
+    tokens = 0.0
     answers = 0
     for session in sessions:
         for text in (session.system, *(t.user for t in session.turns)):
             for part in text.split("\n\n"):
                 if part not in seen:
                     seen.add(part)
-                    words += len(part.split())
+                    tokens += count(part) if count else len(part.split()) * tokens_per_word
         answers += sum(t.max_tokens for t in session.turns[:-1])
-    return round(words * tokens_per_word) + answers
+    return round(tokens) + answers
 
 
 @dataclass
