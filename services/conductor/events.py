@@ -14,6 +14,10 @@ naming it as its instance). A certificate naming an instance speaks for that nod
 a store certificate of the whole role (`quillcache certs`) for any store node. Either
 way only for a node the registry lists. A batch that fails is refused whole and
 counted (`kv_event_batches_refused_total{source,reason}`).
+
+A plan reports how far this replica's view of its engine trails the engine
+(`behind_ms`, from the engine's ZMQ subscriber: see zmq_sub.StreamFreshness); an engine
+whose events do not come over ZMQ counts as current.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 
 from quillcache.v1 import conductor_pb2
 from quillcache_conductor.state import ConductorState
-from quillcache_conductor.zmq_sub import EngineSubscriber
+from quillcache_conductor.zmq_sub import EngineSubscriber, StreamFreshness
 from quillcache_core.errors import InvalidArgument, NotFound, QuillCacheError
 from quillcache_core.identity.keys import identity_tokenizer
 from quillcache_core.kvevents.bulk import BulkBatch
@@ -59,6 +63,7 @@ class EventRouter:
         self.subscribe_zmq = subscribe_zmq
         self.translators: dict[str, EngineEventTranslator] = {}
         self.subscribers: dict[str, EngineSubscriber] = {}
+        self.freshness: dict[str, StreamFreshness] = {}
         self._endpoints: dict[str, tuple[str, str | None]] = {}
         self.applied = metrics.counter("kv_events_applied_total", "KV events applied", ["source"])
         self.rejected = metrics.counter(
@@ -139,6 +144,7 @@ class EventRouter:
         old = self.subscribers.pop(record.id, None)
         if old is not None:
             asyncio.get_running_loop().create_task(old.stop())
+        freshness = StreamFreshness(time.monotonic())
         subscriber = EngineSubscriber(
             record.id,
             endpoints[0],
@@ -147,9 +153,11 @@ class EventRouter:
             on_error=self._on_zmq_error,
             on_reset=self._on_reset,
             on_lost=self._on_lost,
+            freshness=freshness,
         )
         subscriber.start()
         self.subscribers[record.id] = subscriber
+        self.freshness[record.id] = freshness
         self._endpoints[record.id] = endpoints
         logger.info("subscribed to %s KV events at %s (replay %s)", record.id, *endpoints)
 
@@ -162,6 +170,7 @@ class EventRouter:
     def engine_left(self, engine_id: str) -> None:
         self.translators.pop(engine_id, None)
         self._endpoints.pop(engine_id, None)
+        self.freshness.pop(engine_id, None)
         subscriber = self.subscribers.pop(engine_id, None)
         if subscriber is not None:
             asyncio.get_running_loop().create_task(subscriber.stop())
@@ -171,6 +180,13 @@ class EventRouter:
             with contextlib.suppress(Exception):
                 await subscriber.stop()
         self.subscribers.clear()
+        self.freshness.clear()
+
+    def behind_ms(self, engine_id: str) -> int:
+        """How far this replica's residency for `engine_id` trails the engine, ms (0 =
+        current, or its events do not come over ZMQ). A dict lookup: for the plan path."""
+        freshness = self.freshness.get(engine_id)
+        return 0 if freshness is None else freshness.behind_ms(time.monotonic())
 
     # --- ZMQ callbacks -------------------------------------------------------------------
 
@@ -188,7 +204,11 @@ class EventRouter:
         result = translator.apply(batch)
         self.applied.inc(result.applied, source="engine")
         if batch.ts:
-            self.lag.observe(max(0.0, time.time() - batch.ts), source="engine")
+            lag_s = max(0.0, time.time() - batch.ts)
+            self.lag.observe(lag_s, source="engine")
+            freshness = self.freshness.get(engine_id)
+            if freshness is not None:
+                freshness.applied(lag_s)
         # The subscriber already reported the decoder's errors through _on_zmq_error.
         for error in result.rejected[len(batch.errors) :]:
             self._reject(engine_id, error, seq)

@@ -200,6 +200,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             hit_blocks=chosen.hit_blocks,
             fetch_blocks=chosen.fetch_blocks,
             recompute_blocks=len(request_blocks) - chosen.prefix_blocks,
+            index_behind_ms=self.events.behind_ms(decision.engine.id),
         )
         if request.action_runs:
             self._add_runs(reply, decision.actions, request_blocks)

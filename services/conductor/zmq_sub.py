@@ -36,6 +36,11 @@ Nothing on the wire stops the subscriber: malformed frames, undecodable payloads
 bad events are counted, logged at WARNING with the engine id and sequence number
 (rate-limited), and passed to `on_error(engine_id, seq, reason, detail)`; `seq` is
 None when the frames carried no readable sequence number.
+
+What the subscriber sees of the stream tells how current the index's view of the
+engine is (`StreamFreshness`, which a plan reads): behind until the first live batch
+after start or after the socket lost its connection, while a gap is replayed, and by
+the lag of the last batch applied when that passed `STALE_LAG_S`.
 """
 
 from __future__ import annotations
@@ -50,12 +55,13 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from quillcache_core.kvevents.bulk import BulkBatch
 from quillcache_core.kvevents.bulk_decode import decode_bulk
 from quillcache_core.kvevents.events import WireError
 
-__all__ = ["EngineSubscriber", "SubscriberCounters"]
+__all__ = ["STALE_LAG_S", "EngineSubscriber", "StreamFreshness", "SubscriberCounters"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,64 @@ OnBatch = Callable[[str, int, BulkBatch], None | Awaitable[None]]
 OnError = Callable[[str, int | None, str, str], None | Awaitable[None]]
 OnReset = Callable[[str], None | Awaitable[None]]
 OnLost = Callable[[str, int], None | Awaitable[None]]
+
+# A batch applied more than this long after its engine stamped it (the lag counted in
+# kv_event_lag_seconds) left the index that far behind the engine: half a second is a
+# few hundred plans' worth of routing and more than a busy engine takes to store or
+# evict the blocks a plan counts on, yet above the few milliseconds a healthy
+# subscriber takes (and the clock skew between hosts NTP leaves).
+STALE_LAG_S = 0.5
+MAX_BEHIND_MS = 2**32 - 1  # a uint32 on the wire
+
+
+class StreamFreshness:
+    """How current the index's view of one engine is, from what its subscriber
+    observes: `behind_ms(now)` is 0 when current, else how far behind (ms, at least 1).
+
+    Behind while nothing live has been applied since the subscriber started or its
+    socket last lost the connection (whatever the engine published meanwhile is
+    unknown until the next live batch); while a sequence gap is being replayed; and,
+    until the next batch, by the lag of the last batch applied when it passed
+    `STALE_LAG_S`. `now` is monotonic seconds, passed in; lags are seconds. Event
+    loop only (not thread-safe).
+    """
+
+    __slots__ = ("_lag_s", "_replay_since", "_unsynced_since")
+
+    def __init__(self, now: float) -> None:
+        self._unsynced_since: float | None = now  # nothing heard yet
+        self._replay_since: float | None = None
+        self._lag_s = 0.0
+
+    def disconnected(self, now: float) -> None:
+        if self._unsynced_since is None:
+            self._unsynced_since = now
+
+    def caught_up(self) -> None:
+        """A live batch was applied in order (or had been, through a replay)."""
+        self._unsynced_since = None
+
+    def replay_started(self, now: float) -> None:
+        self._replay_since = now
+
+    def replay_ended(self) -> None:
+        self._replay_since = None
+
+    def applied(self, lag_s: float) -> None:
+        """A batch was applied `lag_s` after its engine stamped it."""
+        self._lag_s = lag_s
+
+    def behind_ms(self, now: float) -> int:
+        behind = self._lag_s if self._lag_s > STALE_LAG_S else 0.0
+        since = self._unsynced_since
+        if self._replay_since is not None and (since is None or self._replay_since < since):
+            since = self._replay_since
+        if since is None:
+            if not behind:
+                return 0
+        else:
+            behind = max(behind, now - since)
+        return min(MAX_BEHIND_MS, max(1, round(behind * 1000)))
 
 
 @dataclass(slots=True)
@@ -92,6 +156,7 @@ class EngineSubscriber:
         on_error: OnError | None = None,
         on_reset: OnReset | None = None,
         on_lost: OnLost | None = None,
+        freshness: StreamFreshness | None = None,
         topic: bytes = b"",
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
@@ -116,6 +181,7 @@ class EngineSubscriber:
         self.max_batches_per_wake = max(1, max_batches_per_wake)
         self.max_message_bytes = max_message_bytes
         self.counters = SubscriberCounters()
+        self.freshness = freshness or StreamFreshness(time.monotonic())
         # Highest sequence number applied (or skipped as lost); -1 before the first.
         self.last_seq = -1
         # Highest sequence number seen on the live socket; None after (re)start.
@@ -124,6 +190,8 @@ class EngineSubscriber:
         self._sub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._log_burst = log_burst
         self._log_window_s = log_window_s
         self._log_window_start = 0.0
@@ -146,23 +214,30 @@ class EngineSubscriber:
         # A larger message makes ZMQ drop the connection (it reconnects): a gap, not OOM.
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
         self._sub = sub
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"kv-events-{self.engine_id}"
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run(), name=f"kv-events-{self.engine_id}")
+        self._watch_task = loop.create_task(
+            self._watch(self._monitor), name=f"kv-events-monitor-{self.engine_id}"
         )
 
     async def stop(self) -> None:
         """Stop receiving and close the sockets; safe to call twice."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for sock in (self._sub, self._replay):
+        for task in (self._task, self._watch_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._watch_task = None
+        if self._sub is not None and self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+        for sock in (self._monitor, self._sub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
-        self._sub = self._replay = None
+        self._sub = self._replay = self._monitor = None
 
     # --- receiving ---------------------------------------------------------------------
 
@@ -177,6 +252,7 @@ class EngineSubscriber:
                 chunk = [await sub.recv_multipart()]
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.ETERM or sub.closed:
+                    self.freshness.disconnected(time.monotonic())
                     log.info("kv events %s: socket closed, subscriber stops", self.engine_id)
                     return
                 self.counters.wire_errors += 1
@@ -200,6 +276,24 @@ class EngineSubscriber:
                 # so it waits for at most one batch's work.
                 await asyncio.sleep(0)
 
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """The live socket's lost connections: the view is behind from each until the
+        next live batch. (A connect is not watched: the view is already behind since
+        the start or the loss before it, and a connect event read after the first
+        batch would wrongly undo that batch.)"""
+        while True:
+            try:
+                frames = await monitor.recv_multipart()
+            except zmq.ZMQError:
+                return  # closed
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except Exception:  # a malformed notification: not a reason to stop watching
+                continue
+            if event == zmq.EVENT_MONITOR_STOPPED:
+                return
+            self.freshness.disconnected(time.monotonic())
+
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
             await self._wire_error(None, "bad_frames", f"{len(frames)} frames, expected 3")
@@ -219,12 +313,20 @@ class EngineSubscriber:
         if self.live_seq is not None and seq <= self.live_seq:
             await self._publisher_restarted(seq)
         self.live_seq = seq
+        await self._take_live(seq, payload)
+        self.freshness.caught_up()
+
+    async def _take_live(self, seq: int, payload: bytes) -> None:
         if seq <= self.last_seq:
             self.counters.duplicates += 1
             return
         if seq > self.last_seq + 1 and (self.last_seq >= 0 or self.catch_up):
             self.counters.gaps += self.last_seq >= 0
-            await self._recover(self.last_seq + 1, seq)
+            self.freshness.replay_started(time.monotonic())
+            try:
+                await self._recover(self.last_seq + 1, seq)
+            finally:
+                self.freshness.replay_ended()
             if seq <= self.last_seq:  # the replay covered it
                 self.counters.duplicates += 1
                 return

@@ -68,7 +68,7 @@ class DeliveryMeter:
         p = done.prediction
         access_log.info(
             "%s %s %s %.1fms engine=%s replica=%s predicted_cached=%d (hit %d, loaded %d) "
-            "delivered_cached=%s predicted_ttft_ms=%.1f ttft_ms=%s cause=%s",
+            "delivered_cached=%s predicted_ttft_ms=%.1f ttft_ms=%s replica_behind_ms=%d cause=%s",
             request_id,
             request.path,
             status,
@@ -81,5 +81,6 @@ class DeliveryMeter:
             done.cached_tokens,
             p.ttft_ms,
             "-" if done.ttft_ms is None else f"{done.ttft_ms:.1f}",
+            p.replica_behind_ms,
             done.cause or "-",
         )

@@ -9,6 +9,11 @@ blocks of their own and always compute a prompt's last token, so at most
 `(prompt_tokens - 1) // engine_block_size` of the engine's blocks can be cached: the
 prediction is capped there (an engine's blocks may be several of the index's).
 
+A difference has one cause: `fallback_plan` (no conductor planned), else
+`stale_replica` when the planning replica said its view of the engine was behind
+(`PlanResponse.index_behind_ms`: an eviction or an extra it had not heard of yet),
+else `engine_evicted`, `pool_load_failed` or `engine_extra` by where the count fell.
+
 A streamed request whose client did not ask for usage is sent to the engine with
 `stream_options.include_usage` set, and `StreamTap` takes that usage event back out of
 what the client receives. Pure: no sockets, no clock.
@@ -32,13 +37,15 @@ FIELD = "quillcache"
 class Prediction:
     """What a plan promised: tokens the engine holds, tokens it loads from the pool,
     the TTFT (ms). `replica` is the conductor replica that planned ("" = the gateway's
-    fallback planned without one)."""
+    fallback planned without one); `replica_behind_ms` how far its view of the engine's
+    cache trailed the engine (0 = current)."""
 
     engine_id: str
     replica: str
     hit_tokens: int
     loaded_tokens: int
     ttft_ms: float
+    replica_behind_ms: int = 0
 
     @property
     def cached_tokens(self) -> int:
@@ -58,14 +65,16 @@ def predict(
     block_size: int,
     prompt_tokens: int,
     engine_block_size: int,
+    behind_ms: int = 0,
 ) -> Prediction:
     """The plan's figures in tokens (`block_size` a block of the plan's), capped at the
-    blocks an engine of `engine_block_size` tokens a block can have cached."""
+    blocks an engine of `engine_block_size` tokens a block can have cached; `behind_ms`
+    the plan's `index_behind_ms`."""
     unit = engine_block_size or block_size
     cap = max(0, prompt_tokens - 1) // unit * unit
     hit = min(hit_blocks * block_size, cap)
     loaded = min(fetch_blocks * block_size, cap - hit)
-    return Prediction(engine_id, replica, hit, loaded, ttft_ms)
+    return Prediction(engine_id, replica, hit, loaded, ttft_ms, behind_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +107,8 @@ class Delivery:
         delivered = self.cached_tokens
         if delivered is None or delivered == p.cached_tokens:
             return None
+        if p.replica_behind_ms:
+            return "stale_replica"
         if delivered < p.hit_tokens:
             return "engine_evicted"
         if delivered < p.cached_tokens:
@@ -115,6 +126,7 @@ class Delivery:
                 "pool_loaded_tokens": p.loaded_tokens,
                 "cached_tokens": p.cached_tokens,
                 "ttft_ms": None if p.fallback else round(p.ttft_ms, 3),
+                "replica_behind_ms": None if p.fallback else p.replica_behind_ms,
             },
             "delivered": {
                 "cached_tokens": self.cached_tokens,

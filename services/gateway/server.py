@@ -603,6 +603,7 @@ class Gateway:
             block_size,
             len(job.tokens),
             self.catalog.engine_block_size(plan.engine_id),
+            plan.index_behind_ms,
         )
         try:
             if upstream.status != 200 or not job.stream:

@@ -51,6 +51,36 @@ def test_delivered_cached_tokens_are_compared_with_hits_plus_pool_loads(
     assert done.ttft_error_ms == pytest.approx(15.0)
 
 
+@pytest.mark.parametrize(
+    ("hit", "fetch", "delivered", "cause"),
+    [
+        (6, 0, 6 * BS, None),  # behind, yet as planned: nothing to explain
+        (6, 0, 2 * BS, "stale_replica"),  # an eviction the replica had not heard of yet
+        (2, 4, 4 * BS, "stale_replica"),
+        (2, 0, 5 * BS, "stale_replica"),  # blocks the engine stored unheard
+        (2, 0, None, None),
+    ],
+)
+def test_a_plan_from_a_replica_behind_its_engine_is_a_stale_replica_misprediction(
+    hit, fetch, delivered, cause
+):
+    behind = predict("e0", "c0", hit, fetch, 40.0, BS, 10 * BS + 3, BS, behind_ms=750)
+    done = Delivery(behind, delivered, 55.0)
+    assert done.cause == cause
+    assert done.explain()["predicted"]["replica_behind_ms"] == 750
+    assert done.explain()["cause"] == cause
+    assert (
+        Delivery(plan(hit, fetch), delivered, 55.0).explain()["predicted"]["replica_behind_ms"] == 0
+    )
+
+
+def test_a_fallback_plan_comes_before_a_stale_replica():
+    behind = predict("e0", "", 2, 0, 40.0, BS, 10 * BS + 3, BS, behind_ms=750)
+    done = Delivery(behind, 5 * BS, 55.0)
+    assert done.cause == "fallback_plan"
+    assert done.explain()["predicted"]["replica_behind_ms"] is None
+
+
 def test_a_prompt_cached_whole_is_predicted_without_its_last_block():
     # The engine always computes the last prompt token: 4 full blocks, 3 can hit.
     assert plan(4, 0, prompt_tokens=4 * BS).cached_tokens == 3 * BS

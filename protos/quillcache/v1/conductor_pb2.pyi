@@ -125,7 +125,7 @@ class Refusal(_message.Message):
     def __init__(self, block_index: _Optional[int] = ..., block_hash: _Optional[str] = ..., worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PlanResponse(_message.Message):
-    __slots__ = ("reservation_id", "engine_id", "engine_base_url", "actions", "est_ttft_ms", "chosen", "others", "refusals", "policy", "hit_blocks", "fetch_blocks", "recompute_blocks", "plan_us", "prefill_engine_id", "prefill_engine_base_url", "prefill_reservation_id", "prefill_store_node", "decode_store_node", "disagg", "disagg_reason")
+    __slots__ = ("reservation_id", "engine_id", "engine_base_url", "actions", "est_ttft_ms", "chosen", "others", "refusals", "policy", "hit_blocks", "fetch_blocks", "recompute_blocks", "plan_us", "prefill_engine_id", "prefill_engine_base_url", "prefill_reservation_id", "prefill_store_node", "decode_store_node", "disagg", "disagg_reason", "index_behind_ms")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BASE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class PlanResponse(_message.Message):
     DECODE_STORE_NODE_FIELD_NUMBER: _ClassVar[int]
     DISAGG_FIELD_NUMBER: _ClassVar[int]
     DISAGG_REASON_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BEHIND_MS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: str
     engine_id: str
     engine_base_url: str
@@ -166,7 +167,8 @@ class PlanResponse(_message.Message):
     decode_store_node: str
     disagg: str
     disagg_reason: str
-    def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., engine_base_url: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[BlockAction, _Mapping]]] = ..., est_ttft_ms: _Optional[float] = ..., chosen: _Optional[_Union[EngineCost, _Mapping]] = ..., others: _Optional[_Iterable[_Union[EngineCost, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., policy: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., recompute_blocks: _Optional[int] = ..., plan_us: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., prefill_engine_base_url: _Optional[str] = ..., prefill_reservation_id: _Optional[str] = ..., prefill_store_node: _Optional[str] = ..., decode_store_node: _Optional[str] = ..., disagg: _Optional[str] = ..., disagg_reason: _Optional[str] = ...) -> None: ...
+    index_behind_ms: int
+    def __init__(self, reservation_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., engine_base_url: _Optional[str] = ..., actions: _Optional[_Iterable[_Union[BlockAction, _Mapping]]] = ..., est_ttft_ms: _Optional[float] = ..., chosen: _Optional[_Union[EngineCost, _Mapping]] = ..., others: _Optional[_Iterable[_Union[EngineCost, _Mapping]]] = ..., refusals: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., policy: _Optional[str] = ..., hit_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., recompute_blocks: _Optional[int] = ..., plan_us: _Optional[int] = ..., prefill_engine_id: _Optional[str] = ..., prefill_engine_base_url: _Optional[str] = ..., prefill_reservation_id: _Optional[str] = ..., prefill_store_node: _Optional[str] = ..., decode_store_node: _Optional[str] = ..., disagg: _Optional[str] = ..., disagg_reason: _Optional[str] = ..., index_behind_ms: _Optional[int] = ...) -> None: ...
 
 class FinishRequest(_message.Message):
     __slots__ = ("reservation_id", "outcome", "ttft_ms", "output_tokens", "identity", "observe_blocks", "observe_packed_hashes", "observe_block_tokens", "transfer_bytes", "transfer_bytes_per_s", "transfer_blocks", "delivered_cached_tokens")
