@@ -28,11 +28,10 @@ from quillcache.v1 import conductor_pb2, conductor_pb2_grpc
 from quillcache_core.identity.tokenize import ModelTokenizer, TokenMemo, request_tokens
 from quillcache_core.launch import vllm_env
 from quillcache_core.launch.cluster import LocalCluster
-from quillcache_core.launch.vllm_engine import free_port
 from quillcache_core.security.credentials import as_gateway
 from tests.support.cluster import conductor_channel, https, openai_client, salt_of
 from tests.support.services import wait_until
-from tests.support.zmq_relay import DroppingRelay
+from tests.support.zmq_relay import relayed_vllm_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -60,22 +59,13 @@ def env():
 
 @pytest.fixture(scope="module")
 def fleet(env, tmp_path_factory):
-    events_port, relay_port = free_port(), free_port()
-    relay = DroppingRelay(f"tcp://127.0.0.1:{events_port}", relay_port).start()
-    cluster = LocalCluster(
+    with relayed_vllm_cluster(
         tmp_path_factory.mktemp("vllm-cluster"),
+        timeout_s=120,
         engines=2,
         stores=1,
-        log=lambda *_: None,
-        engine_kind="vllm",
         model=BIG,
         engine_options={
-            # vLLM's own cache is what these checks follow: no pool connector.
-            0: {
-                "events_port": events_port,
-                "kv_events_endpoint": f"tcp://127.0.0.1:{relay_port}",
-                "connector": False,
-            },
             1: {
                 "connector": False,
                 "model": SMALL,
@@ -88,13 +78,8 @@ def fleet(env, tmp_path_factory):
                 ],
             },
         },
-    )
-    try:
-        endpoints = cluster.start(timeout_s=120)
+    ) as (cluster, endpoints, relay):
         yield cluster, endpoints, relay, env
-    finally:
-        cluster.stop()
-        relay.stop()
 
 
 def client(endpoints, tenant: str = "acme") -> openai.OpenAI:

@@ -11,13 +11,11 @@ import urllib.request
 
 import pytest
 
-from quillcache_core.launch.cluster import LocalCluster
-from quillcache_core.launch.vllm_engine import free_port
 from quillcache_core.security.credentials import tenant_context
 from tests.e2e.test_vllm import BIG, INDEX_BLOCK, env, post, settled, text  # noqa: F401
 from tests.integration.test_delivered_hits import conductor_metric, gateway_metric
 from tests.support.services import wait_until
-from tests.support.zmq_relay import DroppingRelay
+from tests.support.zmq_relay import relayed_vllm_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -26,30 +24,15 @@ ENGINE = "engine-0"
 
 @pytest.fixture(scope="module")
 def fleet(env, tmp_path_factory):  # noqa: F811 (env: test_vllm's fixture)
-    events_port, relay_port = free_port(), free_port()
-    relay = DroppingRelay(f"tcp://127.0.0.1:{events_port}", relay_port).start()
-    cluster = LocalCluster(
+    with relayed_vllm_cluster(
         tmp_path_factory.mktemp("vllm-delivered"),
+        timeout_s=180,
+        engine_options={},
         engines=1,
         stores=1,
-        log=lambda *_: None,
-        engine_kind="vllm",
         model=BIG,
-        # vLLM's own prefix cache is what this follows: no pool connector.
-        engine_options={
-            0: {
-                "connector": False,
-                "events_port": events_port,
-                "kv_events_endpoint": f"tcp://127.0.0.1:{relay_port}",
-            }
-        },
-    )
-    try:
-        endpoints = cluster.start(timeout_s=180)
-        yield cluster, endpoints, relay
-    finally:
-        cluster.stop()
-        relay.stop()
+    ) as found:
+        yield found
 
 
 def explained(endpoints, prompt: str) -> tuple[int, dict, dict]:

@@ -8,9 +8,14 @@ message; everything else passes unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import zmq
+
+from quillcache_core.launch.cluster import LocalCluster
+from quillcache_core.launch.vllm_engine import free_port
 
 
 class DroppingRelay:
@@ -59,3 +64,29 @@ class DroppingRelay:
         self._stop.set()
         self._thread.join(timeout=5)
         self._ctx.term()
+
+
+@contextlib.contextmanager
+def relayed_vllm_cluster(
+    data_dir, *, timeout_s: float, engine_options: dict[int, dict], **cluster_args
+) -> Iterator[tuple[LocalCluster, dict, DroppingRelay]]:
+    """A vLLM `LocalCluster` whose engine-0 publishes its KV events through a
+    `DroppingRelay` (its own port, the relay's port what the conductors subscribe to),
+    without the pool connector: vLLM's own prefix cache is what these tests follow.
+    `engine_options` adds to or overrides any engine's; yields (cluster, endpoints, relay)."""
+    events_port, relay_port = free_port(), free_port()
+    relay = DroppingRelay(f"tcp://127.0.0.1:{events_port}", relay_port).start()
+    relayed = {
+        "events_port": events_port,
+        "kv_events_endpoint": f"tcp://127.0.0.1:{relay_port}",
+        "connector": False,
+    }
+    options = {**engine_options, 0: {**relayed, **engine_options.get(0, {})}}
+    cluster = LocalCluster(
+        data_dir, log=lambda *_: None, engine_kind="vllm", engine_options=options, **cluster_args
+    )
+    try:
+        yield cluster, cluster.start(timeout_s=timeout_s), relay
+    finally:
+        cluster.stop()
+        relay.stop()
