@@ -25,6 +25,7 @@ from quillcache_core.security.tls import Tls
 logger = logging.getLogger(__name__)
 
 PORT_RETRY_S = 5.0
+LATE_CANCEL_TIMEOUT_S = 10.0
 
 
 class ConductorCalls:
@@ -39,11 +40,42 @@ class ConductorCalls:
     def __init__(
         self, channel: grpc.aio.Channel, use_plan_port: bool = True, tls: Tls | None = None
     ) -> None:
-        self._client = PlanClient(channel)
+        self._client = PlanClient(channel, on_late=self._cancel_late)
         self._stub = conductor_pb2_grpc.ConductorStub(channel)
-        self._port = PlanPortClient(self._plan_address, tls) if use_plan_port else None
+        self._port = (
+            PlanPortClient(self._plan_address, tls, on_late=self._cancel_late)
+            if use_plan_port
+            else None
+        )
         self._port_retry_at = 0.0  # after the port was unreachable, PlanStream until then
+        self._late: set[asyncio.Task] = set()
         self.fallbacks = 0
+        self.late_plans_cancelled = 0  # reservations of plans answered after their deadline
+
+    def _cancel_late(self, plan: conductor_pb2.PlanResponse) -> None:
+        """A plan answered after the gateway gave up on it (and planned the request
+        elsewhere, or failed it): its reservations are cancelled at once, rather than
+        holding the engine's load (and a drain's wait) until they expire."""
+        for reservation_id in (plan.reservation_id, plan.prefill_reservation_id):
+            if reservation_id:
+                self.late_plans_cancelled += 1
+                task = asyncio.get_running_loop().create_task(self._cancel(reservation_id))
+                self._late.add(task)
+                task.add_done_callback(self._late.discard)
+
+    async def _cancel(self, reservation_id: str) -> None:
+        request = conductor_pb2.FinishRequest(
+            reservation_id=reservation_id, outcome=conductor_pb2.FinishRequest.CANCELLED
+        )
+        try:
+            await self.finish(request, LATE_CANCEL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:  # it expires at the conductor by itself
+            logger.warning(
+                "cancelling late plan %s failed: %s %s",
+                reservation_id,
+                exc.code().name,
+                exc.details(),
+            )
 
     async def _plan_address(self) -> str:
         try:
@@ -92,6 +124,8 @@ class ConductorCalls:
             )
 
     async def close(self) -> None:
+        if self._late:
+            await asyncio.wait(set(self._late), timeout=LATE_CANCEL_TIMEOUT_S)
         if self._port is not None:
             await self._port.close()
         await self._client.close()

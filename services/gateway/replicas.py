@@ -19,8 +19,8 @@ plan at once when it fails. With
 failed (planning CPU shared). A Plan the replica did not answer (UNAVAILABLE other
 than its "no engine", DEADLINE_EXCEEDED, a broken connection: `unreachable_reason`)
 marks its replica down for `DOWN_S` and is sent at once to the next (a plan is
-idempotent by request id: a reservation left behind on the failed replica expires
-there). When others remain, an attempt gets `attempt_timeout_s` at most, so a hung
+idempotent by request id: a reservation left behind on the failed replica is cancelled
+when its answer comes late, else expires there). When others remain, an attempt gets `attempt_timeout_s` at most, so a hung
 replica leaves time for the next before the gateway's own fallback (fallback.py) takes
 over. Every error of the last attempt is raised as ConductorCalls raises it.
 

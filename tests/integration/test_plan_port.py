@@ -171,6 +171,42 @@ def test_gateway_calls_use_the_port_fall_back_without_it_and_fail_fast_when_dead
     assert out["dead"] == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_plan_answered_after_its_deadline_has_its_reservation_cancelled(start_conductor):
+    """The gateway gave up on a plan (its deadline passed) and planned the request
+    elsewhere; the conductor still made it. Its reservation must not hold the engine's
+    load (and a drain's wait) until it expires: the late answer cancels it, over the
+    plan port and over PlanStream alike."""
+    with_port = start_conductor()
+    without = start_conductor("--plan-port", "-1")
+
+    async def go(proc):
+        async with proc.channel("gateway", aio=True) as channel:
+            calls = ConductorCalls(channel, tls=tls("gateway"))
+            warm = await calls.plan(packed_request(list(range(3 * BS))), 5)  # connected
+            await calls.finish(
+                conductor_pb2.FinishRequest(
+                    reservation_id=warm.reservation_id,
+                    outcome=conductor_pb2.FinishRequest.CANCELLED,
+                ),
+                5,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await calls.plan(packed_request(list(range(100, 100 + 3 * BS))), 0.0001)
+            deadline = time.monotonic() + 10
+            while stats(proc).reservations_open and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            still_open = stats(proc).reservations_open
+            cancelled = calls.late_plans_cancelled
+            await calls.close()
+            return late.value.code(), still_open, cancelled
+
+    for proc in (with_port, without):
+        code, still_open, cancelled = asyncio.run(go(proc))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert still_open == 0, "the late plan's reservation is still open"
+        assert cancelled == 1
+
+
 def test_the_plan_port_answers_only_a_gateway_certificate(start_conductor):
     proc = start_conductor()
     host, _, port = stats(proc).plan_address.rpartition(":")

@@ -37,18 +37,29 @@ def _expire(future: asyncio.Future) -> None:
         future.set_exception(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
 
 
+# Plans whose caller gave up, remembered so a late answer is recognised (the oldest
+# forgotten first: a plan answered this late has expired at its conductor anyway).
+ABANDONED_MAX = 4096
+
+OnLatePlan = Callable[[conductor_pb2.PlanResponse], None]
+
+
 class PendingCalls:
     """The callers waiting on one connection's results, by call id.
 
     Shared by PlanClient (PlanStream) and PlanPortClient (the plan port): ids are
     allotted here, each caller waits with one timer (cheaper than wait_for's wrapper
     future and callbacks), results resolve the callers, and a broken connection
-    fails them all at once.
+    fails them all at once. A Plan answered after its caller gave up (its deadline,
+    a cancellation) still opened a reservation at the conductor, which nobody would
+    finish: the answer goes to `on_late`, which cancels it (`ConductorCalls`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_late: OnLatePlan | None = None) -> None:
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future] = {}
+        self._abandoned: dict[int, None] = {}  # plans' call ids, oldest first
+        self.on_late = on_late
 
     async def call(
         self,
@@ -68,16 +79,26 @@ class PendingCalls:
         finally:
             if timer is not None:
                 timer.cancel()
-            self._futures.pop(call_id, None)
+            # Still here: not answered (deliver pops first), so the caller gave up.
+            if self._futures.pop(call_id, None) is not None and call.HasField("plan"):
+                abandoned = self._abandoned
+                if len(abandoned) >= ABANDONED_MAX:
+                    abandoned.pop(next(iter(abandoned)))
+                abandoned[call_id] = None
 
     def deliver(self, message: conductor_pb2.PlanStreamResponse) -> None:
         """Resolve the callers' futures from a response's results."""
         futures = self._futures
         for result in message.results:
             future = futures.pop(result.call_id, None)
-            if future is None or future.done():
-                continue  # the caller timed out or was cancelled
             which = result.WhichOneof("result")
+            if future is None or future.done():  # the caller timed out or was cancelled
+                # (done: it gave up but has not yet run to forget the call; None: it
+                # forgot it, as abandoned if it was a plan)
+                gave_up = future is not None or self._abandoned.pop(result.call_id, 0) is None
+                if gave_up and which == "plan" and self.on_late is not None:
+                    self.on_late(result.plan)
+                continue
             if which == "plan":
                 future.set_result(result.plan)
             elif which == "finish":
@@ -87,8 +108,10 @@ class PendingCalls:
                 future.set_exception(rpc_error(code, result.error.message))
 
     def fail_all(self, error: grpc.aio.AioRpcError) -> None:
-        """Fail every call in flight (the connection broke or the client closed)."""
+        """Fail every call in flight (the connection broke or the client closed: what
+        they opened at the conductor is never answered here, and expires there)."""
         futures, self._futures = self._futures, {}
+        self._abandoned.clear()
         for future in futures.values():
             if not future.done():
                 future.set_exception(error)
@@ -97,9 +120,9 @@ class PendingCalls:
 class PlanClient:
     """Multiplexes Plan and Finish calls from many tasks over one PlanStream."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, on_late: OnLatePlan | None = None) -> None:
         self._stub = conductor_pb2_grpc.ConductorStub(channel)
-        self._pending = PendingCalls()
+        self._pending = PendingCalls(on_late)
         self._outbox: list[conductor_pb2.PlanCall] = []
         self._wake = asyncio.Event()
         self._call = None

@@ -29,7 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from quillcache.v1 import conductor_pb2
-from quillcache_core.rpc.plan_client import PendingCalls, rpc_error
+from quillcache_core.rpc.plan_client import OnLatePlan, PendingCalls, rpc_error
 from quillcache_core.security.access import PLAN_PORT_ROLES
 from quillcache_core.security.tls import Tls, role_of_cert
 
@@ -133,10 +133,15 @@ class PlanPortClient:
     caller's future by call id.
     """
 
-    def __init__(self, resolve: Callable[[], Awaitable[str]], tls: Tls | None = None) -> None:
+    def __init__(
+        self,
+        resolve: Callable[[], Awaitable[str]],
+        tls: Tls | None = None,
+        on_late: OnLatePlan | None = None,
+    ) -> None:
         self._resolve = resolve
         self._ssl = tls.client_context() if tls else None
-        self._pending = PendingCalls()
+        self._pending = PendingCalls(on_late)
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._connecting: asyncio.Future | None = None
