@@ -87,6 +87,11 @@ class ConductorConfig(TlsSettings):
     replica_heartbeat_s: float = opt(
         0.5, "a replica's sync stream carries a heartbeat this often when idle"
     )
+    replica_standby_flush_s: float = opt(
+        0.05,
+        "to a replica that planned nothing lately (a standby), reservations are sent at "
+        "most this often, coalesced; to one that plans, as they come (0: always as they come)",
+    )
     replica_silence_s: float = opt(
         2.0,
         "a replica not heard from this long (no delta, no heartbeat) loses all the load it "
@@ -134,6 +139,10 @@ class ConductorConfig(TlsSettings):
         if self.replica_heartbeat_s <= 0 or self.replica_silence_s <= self.replica_heartbeat_s:
             raise InvalidArgument(
                 "--replica-heartbeat-s must be positive and below --replica-silence-s"
+            )
+        if not 0 <= self.replica_standby_flush_s < self.replica_heartbeat_s:
+            raise InvalidArgument(
+                "--replica-standby-flush-s must be >= 0 and below --replica-heartbeat-s"
             )
         if self.temperature < 0:
             raise InvalidArgument("--temperature must be >= 0")

@@ -18,6 +18,7 @@ Single-threaded by contract, like ConductorState: called from the event loop onl
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ from quillcache_core.model import CacheResidency
 logger = logging.getLogger(__name__)
 
 MAX_PEER_RESERVATIONS = 200_000  # per peer: a bound, a peer gone mad cannot exhaust us
+# A peer that opened a reservation this recently plans (`planning`); one that did not
+# is a standby, to which this replica's own reservations may go coalesced.
+PLANNING_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,7 @@ class PeerView:
     held: set[str] = field(default_factory=set)  # its open reservations' ids
     opened: int = 0
     closed: int = 0
+    last_opened_s: float = -math.inf  # when a message of it last opened a reservation
 
 
 class PeerLoad:
@@ -101,6 +106,8 @@ class PeerLoad:
         if view is None:
             view = self.peers[peer_id] = PeerView(peer_id, start_time_s, now)
         view.last_heard_s = now
+        if opened:
+            view.last_opened_s = now
         for load in opened:
             self._open(view, load, now)
         for res_id in prefilled:  # its first token came: its prefill is done
@@ -108,6 +115,12 @@ class PeerLoad:
                 self.ledger.release_prefill(self.ledger.open[res_id])
         for load in closed:
             self._close(view, load, now)
+
+    def planning(self, peer_id: str, within_s: float = PLANNING_S) -> bool:
+        """Whether the peer opened a reservation in the last `within_s` (it plans; a
+        standby does not)."""
+        view = self.peers.get(peer_id)
+        return view is not None and self.clock() - view.last_opened_s <= within_s
 
     def _open(self, view: PeerView, load: OpenedLoad, now: float) -> None:
         if (

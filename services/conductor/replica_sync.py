@@ -6,7 +6,8 @@ starts with a snapshot of the sender's open reservations, then carries each
 reservation it opens (engine, prefill tokens and their TTFT, blocks, the optimistic
 blocks) and closes (with the overlay's linger), coalesced for `flush_delay_s` (one
 message per loop turn or so under load: a PlanStream batch of 30 plans is one
-message), and an empty heartbeat every `heartbeat_s` when idle. The receiver counts
+message; to a standby, a replica that plans nothing, for `standby_flush_s`), and an
+empty heartbeat every `heartbeat_s` when idle. The receiver counts
 them in `PeerLoad` as its own. A stream silent for `silence_s` is dropped with all the
 load it brought, then opened again (a fresh snapshot); a replica that left the
 registry loses its load at once.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
@@ -188,7 +190,13 @@ class _Silence:
 
 class ReplicaLog:
     """This replica's reservations as they open and close, sent to every peer that
-    streams them (the state's listener and the `ConductorReplica` servicer)."""
+    streams them (the state's listener and the `ConductorReplica` servicer).
+
+    A peer that plans gets them as they come (coalesced for `flush_delay_s`); a peer
+    that `planning` says does not (a standby: the gateways plan on a primary) gets them
+    coalesced for `standby_flush_s`, one message where there were dozens: it needs our
+    load only to take over, and a standby's CPU goes on every message it reads. Once
+    it plans, its own reservations reach us and it gets ours as they come again."""
 
     def __init__(
         self,
@@ -198,13 +206,21 @@ class ReplicaLog:
         *,
         flush_delay_s: float = 0.001,
         heartbeat_s: float = 0.5,
+        planning: Callable[[str], bool] | None = None,
+        standby_flush_s: float = 0.0,
     ) -> None:
         self.state = state
         self.node_id = node_id
         self.start_time_s = start_time_s
         self.flush_delay_s = flush_delay_s
         self.heartbeat_s = heartbeat_s
+        self.planning = planning
+        self.standby_flush_s = standby_flush_s
         self._subscribers: dict[int, asyncio.Queue] = {}
+        self._peer_of: dict[int, str] = {}  # subscriber -> the peer replica's id
+        self._held: dict[int, list[conductor_pb2.LoadDeltas]] = {}  # for standbys
+        self._standby_handle: asyncio.TimerHandle | None = None
+        self.messages_coalesced = 0  # messages to standbys merged into others
         self._next_id = 0
         self._opened: list[tuple] = []
         self._closed: list[conductor_pb2.ReservationClosed] = []
@@ -271,8 +287,43 @@ class ReplicaLog:
         opened = [_opened_to_proto(*item) for item in self._opened]
         messages = self._messages(opened, self._closed, prefilled=self._prefilled)
         self._opened, self._closed, self._prefilled = [], [], []
-        for queue in self._subscribers.values():
+        for sub_id, queue in self._subscribers.items():
+            if self._standby(sub_id):
+                self._held.setdefault(sub_id, []).extend(messages)
+                if self._standby_handle is None:
+                    loop = asyncio.get_running_loop()
+                    self._standby_handle = loop.call_later(
+                        self.standby_flush_s, self.flush_standbys
+                    )
+                continue
+            if self._held.get(sub_id):
+                self.flush_standbys(only=sub_id)  # what it was owed first, in order
             for message in messages:
+                self._offer(queue, message)
+
+    def _standby(self, sub_id: int) -> bool:
+        if not self.standby_flush_s or self.planning is None:
+            return False
+        return not self.planning(self._peer_of.get(sub_id, ""))
+
+    def flush_standbys(self, only: int | None = None) -> None:
+        """Send each standby what it was held, merged: every open, then every first
+        token, then every close (as a message applies them: a reservation is opened
+        before it is closed, so the merge keeps their meaning)."""
+        if only is None and self._standby_handle is not None:
+            self._standby_handle.cancel()
+            self._standby_handle = None
+        for sub_id in [only] if only is not None else list(self._held):
+            held = self._held.pop(sub_id, None)
+            queue = self._subscribers.get(sub_id)
+            if not held or queue is None:
+                continue
+            opened = [m for message in held for m in message.opened]
+            closed = [m for message in held for m in message.closed]
+            prefilled = [r for message in held for r in message.prefilled]
+            merged = self._messages(opened, closed, prefilled=prefilled)
+            self.messages_coalesced += len(held) - len(merged)
+            for message in merged:
                 self._offer(queue, message)
 
     def _messages(
@@ -351,6 +402,7 @@ class ReplicaLog:
         sub_id = self._next_id
         snapshot = self.snapshot()
         self._subscribers[sub_id] = queue
+        self._peer_of[sub_id] = request.conductor_id
         logger.info(
             "conductor %s streams our reservations (%d open)",
             request.conductor_id or "?",
@@ -387,6 +439,8 @@ class ReplicaLog:
         finally:
             timer.cancel()
             self._subscribers.pop(sub_id, None)
+            self._peer_of.pop(sub_id, None)
+            self._held.pop(sub_id, None)
 
 
 class ReplicaSyncServicer(conductor_pb2_grpc.ConductorReplicaServicer):

@@ -92,7 +92,12 @@ class ConductorServer:
         )
         self.state.release_peers = self.peer_load.release_due
         self.replica_log = ReplicaLog(
-            self.state, config.node_id, self.start_time_s, heartbeat_s=config.replica_heartbeat_s
+            self.state,
+            config.node_id,
+            self.start_time_s,
+            heartbeat_s=config.replica_heartbeat_s,
+            planning=self.peer_load.planning,
+            standby_flush_s=config.replica_standby_flush_s,
         )
         self.replica_peers: ReplicaPeers | None = None
         self.tick_failures = 0
@@ -267,6 +272,11 @@ class ConductorServer:
             "replica_peers_dropped_silent_total",
             "replicas whose load was dropped here because they fell silent",
             read=lambda: [((), self.peer_load.dropped_silent)],
+        )
+        m.gauge(
+            "replica_sync_coalesced_total",
+            "sync messages to standby replicas (planning nothing) merged into the next",
+            read=lambda: [((), self.replica_log.messages_coalesced)],
         )
         m.gauge(
             "replica_sync_messages_total",
