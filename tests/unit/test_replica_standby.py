@@ -48,9 +48,7 @@ def applied(messages: list, state) -> dict[str, int]:
 def test_a_standby_gets_the_same_reservations_in_a_fraction_of_the_messages():
     a, _ = make_state()
     planners = {"planner"}
-    log = ReplicaLog(
-        a, "a", 1.0, planning=lambda peer: peer in planners, standby_flush_s=STANDBY_S
-    )
+    log = ReplicaLog(a, "a", 1.0, planning=lambda peer: peer in planners, standby_flush_s=STANDBY_S)
     a.listener = log
     to_planner: list = []
     to_standby: list = []
