@@ -29,7 +29,7 @@ import time
 
 from quillcache.v1 import conductor_pb2
 from quillcache_conductor.state import ConductorState
-from quillcache_conductor.zmq_sub import EngineSubscriber, StreamFreshness
+from quillcache_conductor.zmq_sub import EngineSubscriber
 from quillcache_core.errors import InvalidArgument, NotFound, QuillCacheError
 from quillcache_core.identity.keys import identity_tokenizer
 from quillcache_core.kvevents.bulk import BulkBatch
@@ -63,7 +63,6 @@ class EventRouter:
         self.subscribe_zmq = subscribe_zmq
         self.translators: dict[str, EngineEventTranslator] = {}
         self.subscribers: dict[str, EngineSubscriber] = {}
-        self.freshness: dict[str, StreamFreshness] = {}
         self._endpoints: dict[str, tuple[str, str | None]] = {}
         self.applied = metrics.counter("kv_events_applied_total", "KV events applied", ["source"])
         self.rejected = metrics.counter(
@@ -144,7 +143,6 @@ class EventRouter:
         old = self.subscribers.pop(record.id, None)
         if old is not None:
             asyncio.get_running_loop().create_task(old.stop())
-        freshness = StreamFreshness(time.monotonic())
         subscriber = EngineSubscriber(
             record.id,
             endpoints[0],
@@ -153,11 +151,9 @@ class EventRouter:
             on_error=self._on_zmq_error,
             on_reset=self._on_reset,
             on_lost=self._on_lost,
-            freshness=freshness,
         )
         subscriber.start()
         self.subscribers[record.id] = subscriber
-        self.freshness[record.id] = freshness
         self._endpoints[record.id] = endpoints
         logger.info("subscribed to %s KV events at %s (replay %s)", record.id, *endpoints)
 
@@ -170,7 +166,6 @@ class EventRouter:
     def engine_left(self, engine_id: str) -> None:
         self.translators.pop(engine_id, None)
         self._endpoints.pop(engine_id, None)
-        self.freshness.pop(engine_id, None)
         subscriber = self.subscribers.pop(engine_id, None)
         if subscriber is not None:
             asyncio.get_running_loop().create_task(subscriber.stop())
@@ -180,13 +175,12 @@ class EventRouter:
             with contextlib.suppress(Exception):
                 await subscriber.stop()
         self.subscribers.clear()
-        self.freshness.clear()
 
     def behind_ms(self, engine_id: str) -> int:
         """How far this replica's residency for `engine_id` trails the engine, ms (0 =
         current, or its events do not come over ZMQ). A dict lookup: for the plan path."""
-        freshness = self.freshness.get(engine_id)
-        return 0 if freshness is None else freshness.behind_ms(time.monotonic())
+        subscriber = self.subscribers.get(engine_id)
+        return 0 if subscriber is None else subscriber.freshness.behind_ms(time.monotonic())
 
     # --- ZMQ callbacks -------------------------------------------------------------------
 
@@ -206,9 +200,9 @@ class EventRouter:
         if batch.ts:
             lag_s = max(0.0, time.time() - batch.ts)
             self.lag.observe(lag_s, source="engine")
-            freshness = self.freshness.get(engine_id)
-            if freshness is not None:
-                freshness.applied(lag_s)
+            subscriber = self.subscribers.get(engine_id)
+            if subscriber is not None:
+                subscriber.freshness.applied(lag_s)
         # The subscriber already reported the decoder's errors through _on_zmq_error.
         for error in result.rejected[len(batch.errors) :]:
             self._reject(engine_id, error, seq)

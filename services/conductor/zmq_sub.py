@@ -156,7 +156,6 @@ class EngineSubscriber:
         on_error: OnError | None = None,
         on_reset: OnReset | None = None,
         on_lost: OnLost | None = None,
-        freshness: StreamFreshness | None = None,
         topic: bytes = b"",
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
@@ -181,7 +180,7 @@ class EngineSubscriber:
         self.max_batches_per_wake = max(1, max_batches_per_wake)
         self.max_message_bytes = max_message_bytes
         self.counters = SubscriberCounters()
-        self.freshness = freshness or StreamFreshness(time.monotonic())
+        self.freshness = StreamFreshness(time.monotonic())
         # Highest sequence number applied (or skipped as lost); -1 before the first.
         self.last_seq = -1
         # Highest sequence number seen on the live socket; None after (re)start.
