@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
@@ -188,6 +189,16 @@ class _Silence:
         self._timer.cancel()
 
 
+@dataclass(slots=True)
+class _Owed:
+    """What a standby peer is owed since its last message: the flushes held for it."""
+
+    opened: list = field(default_factory=list)
+    closed: list = field(default_factory=list)
+    prefilled: list = field(default_factory=list)
+    flushes: int = 0
+
+
 class ReplicaLog:
     """This replica's reservations as they open and close, sent to every peer that
     streams them (the state's listener and the `ConductorReplica` servicer).
@@ -218,7 +229,7 @@ class ReplicaLog:
         self.standby_flush_s = standby_flush_s
         self._subscribers: dict[int, asyncio.Queue] = {}
         self._peer_of: dict[int, str] = {}  # subscriber -> the peer replica's id
-        self._held: dict[int, list[conductor_pb2.LoadDeltas]] = {}  # for standbys
+        self._held: dict[int, _Owed] = {}  # what each standby is owed
         self._standby_handle: asyncio.TimerHandle | None = None
         self.messages_coalesced = 0  # messages to standbys merged into others
         self._next_id = 0
@@ -285,19 +296,28 @@ class ReplicaLog:
         if not self._opened and not self._closed and not self._prefilled:
             return
         opened = [_opened_to_proto(*item) for item in self._opened]
-        messages = self._messages(opened, self._closed, prefilled=self._prefilled)
+        closed, prefilled = self._closed, self._prefilled
         self._opened, self._closed, self._prefilled = [], [], []
+        messages = None  # built for the first peer that plans
         for sub_id, queue in self._subscribers.items():
             if self._standby(sub_id):
-                self._held.setdefault(sub_id, []).extend(messages)
+                owed = self._held.get(sub_id)
+                if owed is None:
+                    owed = self._held[sub_id] = _Owed()
+                owed.opened += opened
+                owed.closed += closed
+                owed.prefilled += prefilled
+                owed.flushes += 1
                 if self._standby_handle is None:
                     loop = asyncio.get_running_loop()
                     self._standby_handle = loop.call_later(
                         self.standby_flush_s, self.flush_standbys
                     )
                 continue
-            if self._held.get(sub_id):
+            if sub_id in self._held:
                 self.flush_standbys(only=sub_id)  # what it was owed first, in order
+            if messages is None:
+                messages = self._messages(opened, closed, prefilled=prefilled)
             for message in messages:
                 self._offer(queue, message)
 
@@ -314,15 +334,12 @@ class ReplicaLog:
             self._standby_handle.cancel()
             self._standby_handle = None
         for sub_id in [only] if only is not None else list(self._held):
-            held = self._held.pop(sub_id, None)
+            owed = self._held.pop(sub_id, None)
             queue = self._subscribers.get(sub_id)
-            if not held or queue is None:
+            if owed is None or queue is None:
                 continue
-            opened = [m for message in held for m in message.opened]
-            closed = [m for message in held for m in message.closed]
-            prefilled = [r for message in held for r in message.prefilled]
-            merged = self._messages(opened, closed, prefilled=prefilled)
-            self.messages_coalesced += len(held) - len(merged)
+            merged = self._messages(owed.opened, owed.closed, prefilled=owed.prefilled)
+            self.messages_coalesced += max(0, owed.flushes - len(merged))
             for message in merged:
                 self._offer(queue, message)
 
