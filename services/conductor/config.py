@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quillcache_conductor.zmq_sub import STALE_LAG_S
 from quillcache_core.errors import InvalidArgument
 from quillcache_core.index import BACKENDS
 from quillcache_core.process.service import event_loop_opt
@@ -92,6 +93,12 @@ class ConductorConfig(TlsSettings):
         "to a replica that planned nothing lately (a standby), reservations are sent at "
         "most this often, coalesced; to one that plans, as they come (0: always as they come)",
     )
+    standby_linger_s: float = opt(
+        0.2,
+        "while a peer replica plans and this one does not (a standby), its engines' KV event "
+        "batches are taken this long after the first arrives, and its stores are asked to "
+        "hold theirs as long, together; the first plan here ends the wait (0: never wait)",
+    )
     replica_silence_s: float = opt(
         2.0,
         "a replica not heard from this long (no delta, no heartbeat) loses all the load it "
@@ -143,6 +150,11 @@ class ConductorConfig(TlsSettings):
         if not 0 <= self.replica_standby_flush_s < self.replica_heartbeat_s:
             raise InvalidArgument(
                 "--replica-standby-flush-s must be >= 0 and below --replica-heartbeat-s"
+            )
+        if not 0 <= self.standby_linger_s < STALE_LAG_S:
+            raise InvalidArgument(
+                f"--standby-linger-s must be >= 0 and below {STALE_LAG_S} s "
+                "(a view that far behind its engine counts as stale)"
             )
         if self.temperature < 0:
             raise InvalidArgument("--temperature must be >= 0")

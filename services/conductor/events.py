@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from quillcache.v1 import conductor_pb2
 from quillcache_conductor.state import ConductorState
@@ -57,10 +58,16 @@ class SourceRefused(QuillCacheError):
 
 class EventRouter:
     def __init__(
-        self, state: ConductorState, metrics: MetricsRegistry, *, subscribe_zmq: bool
+        self,
+        state: ConductorState,
+        metrics: MetricsRegistry,
+        *,
+        subscribe_zmq: bool,
+        linger: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.state = state
         self.subscribe_zmq = subscribe_zmq
+        self.linger = linger  # a standby's wait before each wake-up's batches (standby.py)
         self.translators: dict[str, EngineEventTranslator] = {}
         self.subscribers: dict[str, EngineSubscriber] = {}
         self._endpoints: dict[str, tuple[str, str | None]] = {}
@@ -151,6 +158,7 @@ class EventRouter:
             on_error=self._on_zmq_error,
             on_reset=self._on_reset,
             on_lost=self._on_lost,
+            linger=self.linger,
         )
         subscriber.start()
         self.subscribers[record.id] = subscriber

@@ -122,6 +122,11 @@ class PeerLoad:
         view = self.peers.get(peer_id)
         return view is not None and self.clock() - view.last_opened_s <= within_s
 
+    def any_planning(self, within_s: float = PLANNING_S) -> bool:
+        """Whether some peer opened a reservation in the last `within_s`."""
+        since = self.clock() - within_s
+        return any(view.last_opened_s >= since for view in self.peers.values())
+
     def _open(self, view: PeerView, load: OpenedLoad, now: float) -> None:
         if (
             load.reservation_id in view.held

@@ -18,6 +18,7 @@ from quillcache_conductor.events import EventRouter
 from quillcache_conductor.peer_load import PeerLoad
 from quillcache_conductor.replica_sync import ReplicaLog, ReplicaPeers, ReplicaSyncServicer
 from quillcache_conductor.servicer import ConductorServicer
+from quillcache_conductor.standby import Standby
 from quillcache_conductor.state import ConductorState
 from quillcache_core.index import open_index
 from quillcache_core.model import CostModel
@@ -73,7 +74,13 @@ class ConductorServer:
         )
         split.configure(self.state, config.disagg_settings())
         self.metrics = MetricsRegistry(process=True)
-        self.events = EventRouter(self.state, self.metrics, subscribe_zmq=config.kv_events)
+        self.peer_load = PeerLoad(
+            self.state, clock=time.monotonic, silence_s=config.replica_silence_s
+        )
+        self.standby = Standby(config.standby_linger_s, self.peer_load.any_planning)
+        self.events = EventRouter(
+            self.state, self.metrics, subscribe_zmq=config.kv_events, linger=self.standby.linger
+        )
         self._register_metrics()
         self.tls = config.tls("conductor")
         self.registry = open_registry(config.registry, self.tls)
@@ -87,9 +94,6 @@ class ConductorServer:
         self.engines_seen = asyncio.Event()
         # The other replicas' reservations, counted here (peer_load.py, replica_sync.py).
         self.start_time_s = time.time()
-        self.peer_load = PeerLoad(
-            self.state, clock=time.monotonic, silence_s=config.replica_silence_s
-        )
         self.state.release_peers = self.peer_load.release_due
         self.replica_log = ReplicaLog(
             self.state,
@@ -121,6 +125,19 @@ class ConductorServer:
             "conductor_plan_seconds",
             "time to compute a plan (Plan, PlanStream and the plan port alike)",
             MICRO_BUCKETS_S,
+        )
+        standby = self.standby
+        m.gauge(
+            "standing_by",
+            "1 while a peer replica plans and this one does not: its ingest waits "
+            "--standby-linger-s and takes what came meanwhile together",
+            read=lambda: [((), int(standby.standing_by))],
+        )
+        m.gauge(
+            "standby_lingers_total",
+            "ingest waits begun while standing by, and those a plan or Locate ended early",
+            ["end"],
+            read=lambda: [(("begun",), standby.lingers), (("woken",), standby.woken)],
         )
         m.gauge(
             "finishes_total",
@@ -339,6 +356,7 @@ class ConductorServer:
             cfg.max_blocks_per_request,
             cfg.plan_alternatives,
             plan_seconds=self.plan_seconds,
+            standby=self.standby,
         )
         conductor_pb2_grpc.add_ConductorServicer_to_server(servicer, server)
         if cfg.replica_sync:

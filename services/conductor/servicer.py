@@ -11,6 +11,7 @@ import grpc
 from quillcache.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from quillcache_conductor.events import EventRouter, SourceRefused
 from quillcache_conductor.split import plan_split, transfer_measured
+from quillcache_conductor.standby import Standby
 from quillcache_conductor.state import ConductorState, publishes_events
 from quillcache_core.errors import InvalidArgument, QuillCacheError
 from quillcache_core.identity.chain import BlockChain, chain_keys
@@ -80,8 +81,11 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
         alternatives: int = 8,
         *,
         plan_seconds: Histogram | None = None,
+        standby: Standby | None = None,
     ) -> None:
         self.state = state
+        # Told of each Plan and Locate; its wait is what IngestKvEvents replies advise.
+        self.standby = standby or Standby(0.0, lambda: False)
         self.plan_seconds = plan_seconds  # each plan's time, observed here (or not)
         self.alternatives = alternatives
         # host:port of the plan port, reported by Stats ("" = none).
@@ -128,6 +132,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
     def plan(self, request) -> conductor_pb2.PlanResponse:
         """One Plan, for the unary RPC and the stream alike."""
         start = time.perf_counter()
+        self.standby.served()
         scope = scope_from_proto(request.identity)
         if request.packed_hashes:
             if request.blocks:
@@ -381,6 +386,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
 
     @unary_errors
     async def Locate(self, request, context):
+        self.standby.served()
         scope = scope_from_proto(request.identity)
         if len(request.block_hashes) > self.max_blocks:
             raise InvalidArgument(
@@ -415,6 +421,7 @@ class ConductorServicer(conductor_pb2_grpc.ConductorServicer):
             applied=applied,
             rejected=len(errors),
             errors=[f"event {e.index}: {e.reason}: {e.detail}" for e in errors][:100],
+            linger_ms=self.standby.linger_ms(),
         )
 
     @unary_errors

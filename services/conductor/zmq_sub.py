@@ -30,7 +30,10 @@ its receive queue (bounded by `rcvhwm` messages; past it the publisher drops and
 gap is replayed), and each wake-up of the subscriber task takes up to
 `max_batches_per_wake` queued messages at once, non-blocking (one future for the
 chunk, not one per message), and applies them one a turn of the event loop: a Plan
-that arrives during a backlog waits for at most one batch, not the whole chunk.
+that arrives during a backlog waits for at most one batch, not the whole chunk. A
+`linger` (a standby's, standby.py) is awaited after the first message of a wake-up,
+and the wake-up then takes up to `LINGER_MAX_BATCHES`; a wake-up that filled its
+chunk is followed by one without the wait.
 
 Nothing on the wire stops the subscriber: malformed frames, undecodable payloads and
 bad events are counted, logged at WARNING with the engine id and sequence number
@@ -78,6 +81,8 @@ OnLost = Callable[[str, int], None | Awaitable[None]]
 # subscriber takes (and the clock skew between hosts NTP leaves).
 STALE_LAG_S = 0.5
 MAX_BEHIND_MS = 2**32 - 1  # a uint32 on the wire
+# The most queued batches one wake-up takes after a `linger` wait.
+LINGER_MAX_BATCHES = 64
 
 
 class StreamFreshness:
@@ -143,6 +148,7 @@ class SubscriberCounters:
     wire_errors: int = 0  # malformed frames or payloads
     callback_errors: int = 0  # exceptions raised by on_batch/on_error/on_reset
     resets: int = 0  # publisher restarts detected
+    wakes: int = 0  # receives that found batches (one or more each)
 
 
 class EngineSubscriber:
@@ -156,6 +162,7 @@ class EngineSubscriber:
         on_error: OnError | None = None,
         on_reset: OnReset | None = None,
         on_lost: OnLost | None = None,
+        linger: Callable[[], Awaitable[None]] | None = None,
         topic: bytes = b"",
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
@@ -173,6 +180,7 @@ class EngineSubscriber:
         self.on_error = on_error
         self.on_reset = on_reset
         self.on_lost = on_lost
+        self.linger = linger
         self.topic = topic
         self.replay_timeout_s = replay_timeout_s
         self.catch_up = catch_up
@@ -246,6 +254,7 @@ class EngineSubscriber:
         # The same socket without the asyncio machinery, to take already-queued
         # messages with no future and no loop round-trip each.
         queued = zmq.Socket.shadow(sub.underlying)
+        backlog = False  # the last wake-up left messages queued: take them now
         while True:
             try:
                 chunk = [await sub.recv_multipart()]
@@ -258,11 +267,18 @@ class EngineSubscriber:
                 log.warning("kv events %s: receive failed: %s", self.engine_id, exc)
                 await asyncio.sleep(0.1)  # back off; do not spin on a persistent error
                 continue
-            while len(chunk) < self.max_batches_per_wake:
+            most = self.max_batches_per_wake
+            if self.linger is not None and not backlog:
+                # A standby's wait (standby.py): what comes meanwhile joins this wake-up.
+                await self.linger()
+                most = max(most, LINGER_MAX_BATCHES)
+            while len(chunk) < most:
                 try:
                     chunk.append(queued.recv_multipart(zmq.NOBLOCK))
                 except zmq.ZMQError:  # zmq.Again: nothing queued (or the socket closed)
                     break
+            backlog = len(chunk) >= most
+            self.counters.wakes += 1
             for frames in chunk:
                 try:
                     await self._on_frames(frames)

@@ -94,8 +94,9 @@ class ConductorLink:
     async def _stub(self) -> conductor_pb2_grpc.ConductorStub:
         return conductor_pb2_grpc.ConductorStub(await self._target.channel())
 
-    async def ingest(self, batch: conductor_pb2.KvEventBatch) -> None:
-        """Deliver one batch; raises on any failure (the reporter retries it)."""
+    async def ingest(self, batch: conductor_pb2.KvEventBatch) -> float:
+        """Deliver one batch; raises on any failure (the reporter retries it). Returns
+        how long the conductor asks the next batches to be held (a standby's, seconds)."""
         stub = await self._stub()
         try:
             reply = await stub.IngestKvEvents(batch, timeout=self.timeout_s)
@@ -110,6 +111,7 @@ class ConductorLink:
                 len(batch.events),
                 "; ".join(reply.errors[:3]),
             )
+        return reply.linger_ms / 1000
 
     async def reset(self) -> None:
         """Look the conductor up again on the next call (it may have moved)."""

@@ -7,7 +7,9 @@ loop) takes what is queued (up to `max_batch` events), turns it into one KvEvent
 (source_kind "store") and hands it to `send`, after lingering `linger_s` for more
 events unless a whole batch is already queued; on failure the same batch is retried with
 backoff (0.1 s doubling to 2 s), so events reach the conductor in the order they
-happened.
+happened. A conductor that stands by (a replica a peer plans for) says in its reply how
+long to linger instead (`IngestResponse.linger_ms`); the longer of the two is kept until
+its next reply says otherwise.
 
 Resync. Each event sets or unsets one (block, tier) fact, so the state at time T is
 "everything held at T" followed by the events queued before T, in order. The reporter
@@ -105,13 +107,18 @@ def _run_to_proto(run: list[TierEvent]) -> conductor_pb2.KvEvent:
     )
 
 
+# The most a conductor's reply may ask this node to hold its batches (a standby's
+# linger): a reply asking for more is read as this.
+MAX_ASKED_LINGER_S = 1.0
+
+
 class ResidencyReporter:
     """Queue of residency events and the task that delivers them. See the module doc."""
 
     def __init__(
         self,
         node_id: str,
-        send: Callable[[conductor_pb2.KvEventBatch], Awaitable[None]],
+        send: Callable[[conductor_pb2.KvEventBatch], Awaitable[float | None]],
         snapshot: Callable[[], list[TierEvent]],
         *,
         max_queue: int = 100_000,
@@ -124,6 +131,7 @@ class ResidencyReporter:
         self._max_queue = max(1, max_queue)
         self._max_batch = max(1, max_batch)
         self._linger_s = max(0.0, linger_s)
+        self._asked_linger_s = 0.0  # what the conductor's last reply asked for (a standby)
         self._queue: collections.deque[TierEvent] = collections.deque()
         self._resync = True  # the first thing sent: what this node holds
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -189,10 +197,12 @@ class ResidencyReporter:
             if not self._queue:
                 await self._wake.wait()
                 continue
-            if self._linger_s and len(self._queue) < self._max_batch:
+            linger = max(self._linger_s, self._asked_linger_s)
+            if linger and len(self._queue) < self._max_batch:
                 # Blocks arrive one by one during a transfer: a short wait turns a call
                 # per block (each costing this loop and the conductor) into one per batch.
-                await asyncio.sleep(self._linger_s)
+                # A standby conductor asks for a longer one: nothing reads its index yet.
+                await asyncio.sleep(linger)
             events = []
             while self._queue and len(events) < self._max_batch:
                 events.append(self._queue.popleft())
@@ -229,7 +239,7 @@ class ResidencyReporter:
         failures = 0
         while True:
             try:
-                await self._send(batch)
+                asked = await self._send(batch)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure: keep the batch, retry it
@@ -248,4 +258,5 @@ class ResidencyReporter:
                 log.info("residency batch %d delivered after %d failures", batch.sequence, failures)
             self.batches_sent += 1
             self.events_sent += count
+            self._asked_linger_s = min(MAX_ASKED_LINGER_S, max(0.0, asked or 0.0))
             return

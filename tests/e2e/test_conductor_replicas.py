@@ -1,7 +1,9 @@
 """`quillcache up --conductors 2` (LocalCluster(conductors=2)): the endpoints list both
 replicas, both index the stores' residency, each streams the other's reservations
-(over the cluster's mutual TLS), and kill -9 of one leaves every request planned by the
-other (no fallback, no failure)."""
+(over the cluster's mutual TLS), the one the gateway does not plan on stands by (its
+ingest waits and takes the engines' batches together), and kill -9 of the other leaves
+every request planned by it (no fallback, no failure) from an index as warm: the
+prompts served before the kill hit after it."""
 
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ def _records(endpoints, address: str) -> int:
         return stub.Stats(conductor_pb2.StatsRequest(), timeout=5).resident_records
 
 
+def system(n: int) -> str:
+    """One of three system prompts, several blocks long."""
+    return f"You are assistant number {n % 3} of the pool. " * 8
+
+
 def test_two_conductors_both_index_and_one_killed_costs_no_request(tmp_path):
     lc = LocalCluster(tmp_path, conductors=2, time_scale=0.02, log=lambda *_: None)
     endpoints = lc.start()
@@ -45,7 +52,7 @@ def test_two_conductors_both_index_and_one_killed_costs_no_request(tmp_path):
         assert len(replicas) == 2 and endpoints["conductor"] == replicas[0]
         client = client_for(endpoints)
         for n in range(6):
-            headers, _, text = chat(client, f"question {n}", system=f"system {n % 3}")
+            headers, _, text = chat(client, f"question {n}", system=system(n))
             assert "x-quillcache-plan" not in headers and text, headers
         wait_until(
             lambda: all(_records(endpoints, a) > 0 for a in replicas),
@@ -57,20 +64,30 @@ def test_two_conductors_both_index_and_one_killed_costs_no_request(tmp_path):
             assert _metric(endpoints, url, "quillcache_replica_peers_streaming") == 1, name
             received = 'quillcache_replica_sync_messages_total{direction="received"}'
             assert _metric(endpoints, url, received) > 0, f"{name} heard nothing from its peer"
+        standby = endpoints["metrics"]["conductor-1"]
+        assert _metric(endpoints, standby, "quillcache_standing_by") == 1
+        lingered = 'quillcache_standby_lingers_total{end="begun"}'
+        assert _metric(endpoints, standby, lingered) > 0, "the standby's ingest never waited"
+        primary = endpoints["metrics"]["conductor"]
+        assert _metric(endpoints, primary, "quillcache_standing_by") == 0
         conductor = next(c for c in lc.children if c.name == "conductor")
         conductor.proc.send_signal(signal.SIGKILL)
         conductor.proc.wait(timeout=5)
         started = time.monotonic()
-        failures, fallbacks = [], 0
+        failures, fallbacks, hits = [], 0, []
         for n in range(20):
             try:
-                headers, _, text = chat(client, f"after {n}", system=f"system {n % 3}")
+                headers, _, text = chat(client, f"after {n}", system=system(n))
             except Exception as exc:  # noqa: BLE001 - counted and shown below
                 failures.append(exc)
                 continue
             fallbacks += headers.get("x-quillcache-plan") == "fallback"
+            hits.append(int(headers.get("x-quillcache-hit-blocks", "0")))
         assert failures == [], failures[:3]
         assert fallbacks == 0, "the live replica planned every request"
         assert time.monotonic() - started < 30
+        # Its first plans found the system prompts served before the kill.
+        assert all(hit > 0 for hit in hits[:3]), hits
+        assert _metric(endpoints, standby, "quillcache_standing_by") == 0
     finally:
         lc.stop()

@@ -377,14 +377,16 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class IngestResponse(_message.Message):
-    __slots__ = ("applied", "rejected", "errors")
+    __slots__ = ("applied", "rejected", "errors", "linger_ms")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LINGER_MS_FIELD_NUMBER: _ClassVar[int]
     applied: int
     rejected: int
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, applied: _Optional[int] = ..., rejected: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    linger_ms: int
+    def __init__(self, applied: _Optional[int] = ..., rejected: _Optional[int] = ..., errors: _Optional[_Iterable[str]] = ..., linger_ms: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
