@@ -19,9 +19,11 @@ The subscriber applies batches in sequence order exactly once:
 - a live sequence number at or below the previous live one means the publisher
   restarted: `on_reset` is called (the engine's cache is gone) and counting restarts.
 
-The first batch after start (or a restart) with seq > 0 triggers a catch-up replay
-from 0 when `catch_up` is set, so a conductor started after its engines still learns
-the blocks the engine's replay buffer holds.
+With `catch_up` set, the subscriber asks the replay socket for everything from 0 as
+it starts, before any live batch, so a conductor started after its engines learns the
+blocks their replay buffers hold at once, and an engine that has published nothing yet
+is known to be current (an empty answer). Without an answer (the engine is not up yet),
+the first live batch after start (or a restart) with seq > 0 triggers that catch-up.
 
 Payloads are decoded with `decode_bulk`, so `on_batch` receives a BulkBatch (which the
 translator applies in bulk, and which reads like a DecodedBatch through `events`).
@@ -41,9 +43,10 @@ bad events are counted, logged at WARNING with the engine id and sequence number
 None when the frames carried no readable sequence number.
 
 What the subscriber sees of the stream tells how current the index's view of the
-engine is (`StreamFreshness`, which a plan reads): behind until the first live batch
-after start or after the socket lost its connection, while a gap is replayed, and by
-the lag of the last batch applied when that passed `STALE_LAG_S`.
+engine is (`StreamFreshness`, which a plan reads): behind from start until the replay
+at start is answered or the first live batch is applied, and after the socket lost its
+connection until the next live batch; while a gap is replayed; and by the lag of the
+last batch applied when that passed `STALE_LAG_S`.
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ class SubscriberCounters:
     callback_errors: int = 0  # exceptions raised by on_batch/on_error/on_reset
     resets: int = 0  # publisher restarts detected
     wakes: int = 0  # receives that found batches (one or more each)
+    probes: int = 0  # replays from 0 answered at start (see `_probe`)
 
 
 class EngineSubscriber:
@@ -254,6 +258,8 @@ class EngineSubscriber:
         # The same socket without the asyncio machinery, to take already-queued
         # messages with no future and no loop round-trip each.
         queued = zmq.Socket.shadow(sub.underlying)
+        if self.catch_up and self.replay_endpoint is not None:
+            await self._probe()
         backlog = False  # the last wake-up left messages queued: take them now
         while True:
             try:
@@ -394,34 +400,61 @@ class EngineSubscriber:
             self.last_seq,
             start,
         )
-        sock = self._replay_socket()
         try:
-            await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
-            while True:
-                if not await sock.poll(int(self.replay_timeout_s * 1000), zmq.POLLIN):
-                    raise TimeoutError(f"no replay answer within {self.replay_timeout_s}s")
-                frames = await sock.recv_multipart()
-                if frames and frames[0] == b"":  # DEALER: drop the envelope delimiter
-                    frames = frames[1:]
-                if len(frames) == 3:  # vLLM: (topic, seq, payload); the end has topic b""
-                    frames = frames[1:]
-                if len(frames) != 2 or len(frames[0]) != 8:
-                    await self._wire_error(None, "bad_replay_frames", f"{len(frames)} frames")
-                    continue
-                seq = int.from_bytes(frames[0], "big", signed=True)
-                if seq == END_SEQ:
-                    return
-                if seq <= self.last_seq:
-                    continue
-                await self._apply(seq, frames[1], replayed=True)
+            await self._replay_from(start)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self.counters.replay_failures += 1
             self._warn(live_seq, "replay_failed", f"{type(exc).__name__}: {exc}")
             await self._call(self.on_error, self.engine_id, live_seq, "replay_failed", str(exc))
-            # A late answer to an abandoned request must not confuse the next one.
-            sock.close(linger=0)
+            self._drop_replay_socket()
+
+    async def _probe(self) -> None:
+        """At start, before any live batch: everything the engine's replay buffer holds,
+        applied. An answer, even an empty one, leaves the view holding all the engine
+        still buffers: current, so an idle engine's plans are not counted behind, and a
+        conductor started beside warm engines knows their blocks before they publish
+        again. No answer in time (the engine is not up yet) is no error: the view stays
+        behind until the first live batch, whose gap, if any, is replayed then."""
+        try:
+            await self._replay_from(0)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.info("kv events %s: no replay at start (%s)", self.engine_id, exc)
+            self._drop_replay_socket()
+            return
+        self.counters.probes += 1
+        self.freshness.caught_up()
+
+    async def _replay_from(self, start: int) -> None:
+        """Ask the replay socket for `start` onwards and apply each new batch in order;
+        raises when the answer does not come in time."""
+        sock = self._replay_socket()
+        await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+        while True:
+            if not await sock.poll(int(self.replay_timeout_s * 1000), zmq.POLLIN):
+                raise TimeoutError(f"no replay answer within {self.replay_timeout_s}s")
+            frames = await sock.recv_multipart()
+            if frames and frames[0] == b"":  # DEALER: drop the envelope delimiter
+                frames = frames[1:]
+            if len(frames) == 3:  # vLLM: (topic, seq, payload); the end has topic b""
+                frames = frames[1:]
+            if len(frames) != 2 or len(frames[0]) != 8:
+                await self._wire_error(None, "bad_replay_frames", f"{len(frames)} frames")
+                continue
+            seq = int.from_bytes(frames[0], "big", signed=True)
+            if seq == END_SEQ:
+                return
+            if seq <= self.last_seq:
+                continue
+            await self._apply(seq, frames[1], replayed=True)
+
+    def _drop_replay_socket(self) -> None:
+        """A late answer to an abandoned request must not confuse the next one."""
+        if self._replay is not None:
+            self._replay.close(linger=0)
             self._replay = None
 
     def _replay_socket(self) -> zmq.asyncio.Socket:

@@ -369,6 +369,48 @@ def test_what_the_replay_buffer_no_longer_holds_is_reported_lost():
     run(scenario())
 
 
+def test_a_subscriber_started_beside_idle_engines_knows_them_at_once():
+    """A conductor (re)started while its engines are idle: what an engine's replay
+    buffer holds is applied as the subscriber starts, before the engine publishes
+    again, and an engine that has published nothing is current at once, not behind
+    until its first batch."""
+    from tests.support.vllm_publisher import VllmEventEncoder, VllmStylePublisher
+
+    async def scenario() -> None:
+        enc = VllmEventEncoder(block_size=BS)
+        with VllmStylePublisher(enc) as warm, VllmStylePublisher(enc) as fresh:
+            early = prompt(50, 3)
+            warm.publish([enc.stored_event(early)])  # nobody listening yet
+            warm.publish([enc.stored_event(prompt(51, 1))])
+            on_warm, on_fresh = _in_process_harness(warm), _in_process_harness(fresh)
+            on_warm.sub.start()
+            on_fresh.sub.start()
+            try:
+                await until(lambda: on_warm.holds(early, None), "the warm engine's blocks")
+                assert on_warm.applied_seqs == [0, 1] and on_warm.sub.counters.gaps == 0
+                await until(lambda: on_fresh.sub.counters.probes == 1, "the fresh one's answer")
+                now = time.monotonic()
+                assert on_warm.sub.freshness.behind_ms(now) == 0
+                assert on_fresh.sub.freshness.behind_ms(now) == 0
+                assert on_fresh.applied_seqs == [] and on_fresh.errors == []
+                # And the stream goes on from there, each batch applied once, in order.
+                deadline = time.monotonic() + 15.0
+                last = 1
+                while on_warm.sub.last_seq < last:
+                    if time.monotonic() > deadline:
+                        raise AssertionError("no live batch received")
+                    last = warm.publish([enc.stored_event(prompt(60 + last, 1))])
+                    with contextlib.suppress(AssertionError):
+                        await until(lambda: on_warm.sub.last_seq >= 2, "a batch", timeout_s=0.3)
+                await until(lambda: on_warm.sub.last_seq == last, "the live batches")
+                assert on_warm.applied_seqs == list(range(last + 1))
+            finally:
+                await on_warm.sub.stop()
+                await on_fresh.sub.stop()
+
+    run(scenario())
+
+
 def test_a_restarted_publisher_resets_the_engine():
     from tests.support.vllm_publisher import VllmEventEncoder, VllmStylePublisher
 

@@ -178,11 +178,20 @@ async def wired() -> None:
     try:
         router.engine_joined(record)
         subscriber = router.subscribers["e0"]
-        pub = await publisher(ctx, endpoint)
-        # Connected, nothing live applied yet: behind.
+        # Started, its replay from 0 not answered yet: behind.
+        assert await replay.poll(5000, zmq.POLLIN), "no replay request at start"
+        peer, _, start = await replay.recv_multipart()
+        assert int.from_bytes(start, "big", signed=True) == 0
         assert planned_behind_ms() >= 1
+        # The engine has buffered nothing (it published nothing yet): current at once,
+        # before any live batch.
+        await replay.send_multipart([peer, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        await until(lambda: planned_behind_ms() == 0, "current once the replay says nothing")
+        assert subscriber.counters.probes == 1
+        pub = await publisher(ctx, endpoint)
         await pub.send_multipart(frames(0, time.time()))
-        await until(lambda: planned_behind_ms() == 0, "caught up on the first live batch")
+        await until(lambda: subscriber.last_seq == 0, "the first live batch")
+        assert planned_behind_ms() == 0
 
         # A gap: behind while the replay is under way, current once it is applied.
         await pub.send_multipart(frames(3, time.time()))
