@@ -71,6 +71,7 @@ class PlanRow:
     predicted_cached_tokens: int
     cached_tokens: int | None
     cause: str | None  # why delivered and predicted cached tokens differ (delivered.py)
+    replica_behind_ms: int | None  # how far the planning replica's view trailed the engine
 
 
 class RecentPlans:
@@ -111,6 +112,7 @@ class RecentPlans:
                 predicted_cached_tokens=prediction.cached_tokens,
                 cached_tokens=None if done is None else done.cached_tokens,
                 cause=None if done is None else done.cause,
+                replica_behind_ms=None if fallback else prediction.replica_behind_ms,
             )
         )
 

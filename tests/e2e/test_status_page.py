@@ -280,6 +280,9 @@ def test_an_admin_key_reads_the_state_as_json(cluster, sent):
         row = rows[answer["x-quillcache-request-id"]]
         # What the engine said it had cached, beside the plan's prediction.
         assert isinstance(row["cached_tokens"], int) and row["status"] == 200
+        # Planned from a current view: the engines, idle when the conductor subscribed,
+        # were known current from their replay at start, not behind until they published.
+        assert row["replica_behind_ms"] == 0, row
     assert [e["id"] for e in state["engines"]] == ["engine-0", "engine-1"]
     assert sum(e["recent"]["requests"] for e in state["engines"] if e["recent"]) == len(sent)
     assert all(s["dram"]["capacity_bytes"] == 512 * 1024 * 1024 for s in state["stores"])
