@@ -63,7 +63,7 @@ class EventRouter:
         metrics: MetricsRegistry,
         *,
         subscribe_zmq: bool,
-        linger: Callable[[], Awaitable[None]] | None = None,
+        linger: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.state = state
         self.subscribe_zmq = subscribe_zmq

@@ -70,12 +70,14 @@ class Standby:
         """What an IngestKvEvents reply asks the store to hold its batches for."""
         return round(self.linger_s * 1000) if self.standing_by else 0
 
-    async def linger(self) -> None:
-        """Wait `linger_s` while standing by (until served, if sooner); else return."""
+    async def linger(self) -> bool:
+        """Wait `linger_s` while standing by (until served, if sooner); else return at
+        once. Whether it waited."""
         if not self.standing_by:
-            return
+            return False
         if self._woken is None or self._woken.is_set():
             self._woken = asyncio.Event()
         self.lingers += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._woken.wait(), self.linger_s)
+        return True

@@ -166,7 +166,7 @@ class EngineSubscriber:
         on_error: OnError | None = None,
         on_reset: OnReset | None = None,
         on_lost: OnLost | None = None,
-        linger: Callable[[], Awaitable[None]] | None = None,
+        linger: Callable[[], Awaitable[bool]] | None = None,
         topic: bytes = b"",
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
@@ -274,9 +274,8 @@ class EngineSubscriber:
                 await asyncio.sleep(0.1)  # back off; do not spin on a persistent error
                 continue
             most = self.max_batches_per_wake
-            if self.linger is not None and not backlog:
-                # A standby's wait (standby.py): what comes meanwhile joins this wake-up.
-                await self.linger()
+            # A standby's wait (standby.py): what comes meanwhile joins this wake-up.
+            if self.linger is not None and not backlog and await self.linger():
                 most = max(most, LINGER_MAX_BATCHES)
             while len(chunk) < most:
                 try:

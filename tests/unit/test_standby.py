@@ -8,6 +8,7 @@ tests a real ResidencyReporter with the conductor's reply as its `send` returns 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -54,7 +55,10 @@ def test_the_wait_is_kept_below_what_counts_as_a_stale_view():
         ConductorConfig(insecure=True, standby_linger_s=STALE_LAG_S)
 
 
-async def _subscribed(standby: Standby | None):
+@contextlib.asynccontextmanager
+async def subscribed(standby: Standby | None):
+    """A real EngineSubscriber (with the standby's wait, if any) and a publisher it is
+    subscribed to; yields (publisher, subscriber, [(seq, applied at)])."""
     ctx = zmq.asyncio.Context()
     probe = ctx.socket(zmq.XPUB)
     port = probe.bind_to_random_port("tcp://127.0.0.1")
@@ -75,15 +79,21 @@ async def _subscribed(standby: Standby | None):
         context=ctx,
     )
     sub.start()
-    pub = await publisher(ctx, endpoint)
-    return ctx, pub, sub, applied
+    pub = None
+    try:
+        pub = await publisher(ctx, endpoint)
+        yield pub, sub, applied
+    finally:
+        await sub.stop()
+        if pub is not None:
+            pub.close(linger=0)
+        ctx.term()
 
 
 def test_a_standing_by_subscriber_takes_the_batches_of_its_wait_in_one_wake_up():
     async def scenario() -> None:
         standby = Standby(0.3, lambda: True)
-        ctx, pub, sub, applied = await _subscribed(standby)
-        try:
+        async with subscribed(standby) as (pub, sub, applied):
             for seq in range(6):  # a busy engine: a batch every 20 ms
                 await pub.send_multipart(frames(seq, time.time()))
                 await asyncio.sleep(0.02)
@@ -93,27 +103,18 @@ def test_a_standing_by_subscriber_takes_the_batches_of_its_wait_in_one_wake_up()
             # Applied in order, none lost, each at most one wait after it was sent.
             assert [seq for seq, _ in applied] == list(range(6))
             assert sub.counters.lost == 0
-        finally:
-            await sub.stop()
-            pub.close(linger=0)
-            ctx.term()
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
 
 def test_without_a_standby_each_batch_is_its_own_wake_up():
     async def scenario() -> None:
-        ctx, pub, sub, applied = await _subscribed(None)
-        try:
+        async with subscribed(None) as (pub, sub, applied):
             for seq in range(6):
                 await pub.send_multipart(frames(seq, time.time()))
                 await asyncio.sleep(0.02)
             await until(lambda: len(applied) == 6, "six batches applied")
             assert sub.counters.wakes == 6, sub.counters
-        finally:
-            await sub.stop()
-            pub.close(linger=0)
-            ctx.term()
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
@@ -124,8 +125,7 @@ def test_the_first_plan_served_ends_the_wait_at_once():
 
     async def scenario() -> None:
         standby = Standby(0.45, lambda: True)
-        ctx, pub, sub, applied = await _subscribed(standby)
-        try:
+        async with subscribed(standby) as (pub, sub, applied):
             await pub.send_multipart(frames(0, time.time()))
             await until(lambda: standby.lingers == 1, "the wait to begin")
             await asyncio.sleep(0.05)
@@ -138,10 +138,6 @@ def test_the_first_plan_served_ends_the_wait_at_once():
             await pub.send_multipart(frames(1, time.time()))
             await until(lambda: len(applied) == 2, "the next batch applied")
             assert standby.lingers == 1 and sub.counters.wakes == 2
-        finally:
-            await sub.stop()
-            pub.close(linger=0)
-            ctx.term()
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
@@ -149,9 +145,8 @@ def test_the_first_plan_served_ends_the_wait_at_once():
 def test_a_backlog_past_one_wake_up_is_taken_without_waiting_again():
     async def scenario() -> None:
         standby = Standby(0.3, lambda: True)
-        ctx, pub, sub, applied = await _subscribed(standby)
-        total = LINGER_MAX_BATCHES * 2 + 5
-        try:
+        async with subscribed(standby) as (pub, sub, applied):
+            total = LINGER_MAX_BATCHES * 2 + 5
             for seq in range(total):  # all queued during the first wait
                 await pub.send_multipart(frames(seq, time.time()))
             started = time.monotonic()
@@ -160,10 +155,6 @@ def test_a_backlog_past_one_wake_up_is_taken_without_waiting_again():
             assert standby.lingers == 1, standby.lingers
             assert time.monotonic() - started < 0.3 + 0.25
             assert [seq for seq, _ in applied] == list(range(total))
-        finally:
-            await sub.stop()
-            pub.close(linger=0)
-            ctx.term()
 
     asyncio.run(asyncio.wait_for(scenario(), 20))
 
