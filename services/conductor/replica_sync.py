@@ -579,14 +579,7 @@ class ReplicaPeers:
 
     def _apply(self, peer_id: str, message: conductor_pb2.LoadDeltas) -> None:
         self.messages_received += 1
-        self.peer_load.apply(
-            peer_id,
-            message.start_time_s,
-            snapshot=message.snapshot,
-            opened=[opened_from_proto(m) for m in message.opened],
-            closed=[ClosedLoad(m.reservation_id, m.linger_s, m.resident) for m in message.closed],
-            prefilled=message.prefilled,
-        )
+        apply_deltas(self.peer_load, peer_id, message)
         if self.speeds is None:
             return
         for m in message.closed:
@@ -602,6 +595,18 @@ class ReplicaPeers:
                 await self._watch
         for peer_id in list(self._streams):
             await self._stop(peer_id)
+
+
+def apply_deltas(peer_load: PeerLoad, peer_id: str, message: conductor_pb2.LoadDeltas) -> None:
+    """One of a peer's sync messages, counted in `peer_load`."""
+    peer_load.apply(
+        peer_id,
+        message.start_time_s,
+        snapshot=message.snapshot,
+        opened=[opened_from_proto(m) for m in message.opened],
+        closed=[ClosedLoad(m.reservation_id, m.linger_s, m.resident) for m in message.closed],
+        prefilled=message.prefilled,
+    )
 
 
 def _detail(exc: BaseException) -> str:

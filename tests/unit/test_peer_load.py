@@ -8,7 +8,12 @@ import pytest
 
 from quillcache_conductor.peer_load import ClosedLoad, PeerLoad
 from quillcache_conductor.records import OPTIMISTIC_LINGER_S
-from quillcache_conductor.replica_sync import ReplicaLog, _opened_to_proto, opened_from_proto
+from quillcache_conductor.replica_sync import (
+    ReplicaLog,
+    _opened_to_proto,
+    apply_deltas,
+    opened_from_proto,
+)
 from tests.unit.factories import engine_record, make_request
 from tests.unit.test_conductor_optimistic import make_state
 
@@ -136,13 +141,7 @@ def test_a_snapshot_carries_open_reservations_and_lingering_overlays():
     a.finish(done.reservation_id, "success")  # its overlay lingers on A
     clock.now += 0.5
     for message in ReplicaLog(a, "a", 1.0).snapshot():
-        peers.apply(
-            "a",
-            message.start_time_s,
-            snapshot=message.snapshot,
-            opened=[opened_from_proto(m) for m in message.opened],
-            closed=[ClosedLoad(m.reservation_id, m.linger_s, m.resident) for m in message.closed],
-        )
+        apply_deltas(peers, "a", message)
     engine = running.decision.engine.id
     assert sum(load(b, e)[0] for e in b.engines) == 1 and load(b, engine)[0] == 1
     for seed, outcome in ((1, running), (2, done)):

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from quillcache.v1 import conductor_pb2
-from quillcache_conductor.peer_load import ClosedLoad, PeerLoad
-from quillcache_conductor.replica_sync import ReplicaLog, opened_from_proto
+from quillcache_conductor.peer_load import PeerLoad
+from quillcache_conductor.replica_sync import ReplicaLog, apply_deltas
 from tests.unit.factories import make_request
 from tests.unit.test_conductor_optimistic import make_state
 
@@ -34,14 +34,7 @@ def applied(messages: list, state) -> dict[str, int]:
     """Each engine's in-flight requests on a replica that applied `messages`."""
     peers = PeerLoad(state, clock=state.clock)
     for m in messages:
-        peers.apply(
-            "a",
-            m.start_time_s,
-            snapshot=m.snapshot,
-            opened=[opened_from_proto(o) for o in m.opened],
-            closed=[ClosedLoad(c.reservation_id, c.linger_s, c.resident) for c in m.closed],
-            prefilled=m.prefilled,
-        )
+        apply_deltas(peers, "a", m)
     return {e: w.state.inflight_requests for e, w in state.engines.items()}
 
 
