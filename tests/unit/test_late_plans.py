@@ -29,6 +29,14 @@ def plan_call() -> conductor_pb2.PlanCall:
     return conductor_pb2.PlanCall(plan=conductor_pb2.PlanRequest(request_id="r"))
 
 
+async def in_flight(pending: PendingCalls) -> tuple[list, asyncio.Future]:
+    """A plan sent through `pending` and not answered yet: (the calls sent, its caller)."""
+    sent: list[conductor_pb2.PlanCall] = []
+    task = asyncio.ensure_future(pending.call(plan_call(), 10, sent.append))
+    await asyncio.sleep(0)
+    return sent, task
+
+
 def test_a_late_plan_after_the_caller_forgot_it_goes_to_on_late():
     late = []
 
@@ -53,9 +61,7 @@ def test_a_late_plan_arriving_before_the_caller_forgot_it_goes_to_on_late():
 
     async def go():
         pending = PendingCalls(on_late=late.append)
-        sent = []
-        task = asyncio.ensure_future(pending.call(plan_call(), 10, sent.append))
-        await asyncio.sleep(0)
+        sent, task = await in_flight(pending)
         task.cancel()  # the caller gives up; its task has not run its cleanup yet
         pending.deliver(answer(sent[0].call_id, "res-2"))
         with pytest.raises(asyncio.CancelledError):
@@ -71,9 +77,7 @@ def test_a_plan_answered_in_time_and_a_late_finish_go_nowhere_else():
 
     async def go():
         pending = PendingCalls(on_late=late.append)
-        sent = []
-        task = asyncio.ensure_future(pending.call(plan_call(), 10, sent.append))
-        await asyncio.sleep(0)
+        sent, task = await in_flight(pending)
         pending.deliver(answer(sent[0].call_id, "res-3"))
         assert (await task).reservation_id == "res-3"
         finish = conductor_pb2.PlanCall(finish=conductor_pb2.FinishRequest(reservation_id="x"))

@@ -21,16 +21,9 @@ from quillcache_conductor.standby import Standby
 from quillcache_conductor.zmq_sub import LINGER_MAX_BATCHES, STALE_LAG_S, EngineSubscriber
 from quillcache_core.errors import InvalidArgument
 from quillcache_store.reporter import MAX_ASKED_LINGER_S, ResidencyReporter
+from tests.unit.test_conductor_optimistic import Clock
 from tests.unit.test_index_freshness import frames, publisher, until
-from tests.unit.test_store_node import _stored, blocks
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.test_store_node import _stored, blocks, trickled
 
 
 def test_a_replica_stands_by_only_while_a_peer_plans_and_it_serves_nothing():
@@ -168,20 +161,8 @@ def _reporter_run(asked: list[float]):
         sent.append(batch)
         return asked[0]
 
-    async def scenario():
-        reporter = ResidencyReporter("n1", send, list)
-        task = asyncio.create_task(reporter.run())
-        while reporter.resyncs == 0 or reporter.pending or not sent:
-            await asyncio.sleep(0.001)
-        sent.clear()
-        for i in range(1, 7):
-            reporter.offer(_stored(i))
-            await asyncio.sleep(0.02)
-        while reporter.pending or reporter.events_sent < 7:
-            await asyncio.sleep(0.001)
-        task.cancel()
-
-    asyncio.run(asyncio.wait_for(scenario(), 10))
+    reporter = ResidencyReporter("n1", send, list)
+    asyncio.run(asyncio.wait_for(trickled(reporter, sent, 6, 0.02), 10))
     return sent
 
 

@@ -170,6 +170,22 @@ def blocks(batch: conductor_pb2.KvEventBatch) -> int:
     )
 
 
+async def trickled(reporter: ResidencyReporter, sent: list, count: int, gap_s: float) -> None:
+    """Run `reporter` past its resync, then offer `count` blocks `gap_s` apart and wait
+    until all are sent; `sent` (what its `send` appends to) then holds only those."""
+    task = asyncio.create_task(reporter.run())
+    while reporter.resyncs == 0 or reporter.pending or not sent:
+        await asyncio.sleep(0.001)
+    sent.clear()
+    before = reporter.events_sent
+    for i in range(1, count + 1):
+        reporter.offer(_stored(i))
+        await asyncio.sleep(gap_s)
+    while reporter.pending or reporter.events_sent < before + count:
+        await asyncio.sleep(0.001)
+    task.cancel()
+
+
 def test_reporter_lingers_so_trickling_events_share_a_batch():
     """Events offered one by one (a pull stores a block every ~ms) go out together
     when the reporter lingers; without lingering each would be a call of its own."""
@@ -178,25 +194,13 @@ def test_reporter_lingers_so_trickling_events_share_a_batch():
     async def send(batch):
         sent.append(batch)
 
-    async def scenario(reporter):
-        task = asyncio.create_task(reporter.run())
-        while reporter.resyncs == 0 or reporter.pending or not sent:
-            await asyncio.sleep(0.001)
-        sent.clear()
-        for i in range(1, 9):
-            reporter.offer(_stored(i))
-            await asyncio.sleep(0.002)
-        while reporter.pending or reporter.events_sent < 9:
-            await asyncio.sleep(0.001)
-        task.cancel()
-
     lingering = ResidencyReporter("n1", send, list, linger_s=1.0)
-    asyncio.run(asyncio.wait_for(scenario(lingering), 10))
+    asyncio.run(asyncio.wait_for(trickled(lingering, sent, 8, 0.002), 10))
     # One batch, and the chain's 8 blocks one coalesced event in it.
     assert [(blocks(b), len(b.events)) for b in sent] == [(8, 1)]
     sent.clear()
     eager = ResidencyReporter("n1", send, list, linger_s=0.0)
-    asyncio.run(asyncio.wait_for(scenario(eager), 10))
+    asyncio.run(asyncio.wait_for(trickled(eager, sent, 8, 0.002), 10))
     assert len(sent) > 1 and sum(blocks(b) for b in sent) == 8
 
 
