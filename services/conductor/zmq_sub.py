@@ -31,7 +31,8 @@ Receiving never waits on applying: libzmq's I/O thread keeps reading the socket 
 its receive queue (bounded by `rcvhwm` messages; past it the publisher drops and the
 gap is replayed), and each wake-up of the subscriber task takes up to
 `max_batches_per_wake` queued messages at once, non-blocking (one future for the
-chunk, not one per message), and applies them one a turn of the event loop: a Plan
+chunk, not one per message, waited for on the socket's descriptor with the loop's own
+reader rather than zmq.asyncio's futures), and applies them one a turn of the event loop: a Plan
 that arrives during a backlog waits for at most one batch, not the whole chunk. A
 `linger` (a standby's, standby.py) is awaited after the first message of a wake-up,
 and the wake-up then takes up to `LINGER_MAX_BATCHES`; a wake-up that filled its
@@ -155,6 +156,46 @@ class SubscriberCounters:
     probes: int = 0  # replays from 0 answered at start (see `_probe`)
 
 
+class _Arrivals:
+    """Waits until a ZMQ socket has a message, on the socket's descriptor with the
+    loop's own reader. ZMQ's descriptor only says the socket's state may have changed
+    (edge-like): each signal is answered by reading ZMQ_EVENTS, which also clears it,
+    and a wait returns at once while a message is queued."""
+
+    __slots__ = ("_sock", "_fd", "_loop", "_waiter")
+
+    def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
+        self._sock = sock
+        self._fd = sock.getsockopt(zmq.FD)
+        self._loop = loop
+        self._waiter: asyncio.Future | None = None
+        loop.add_reader(self._fd, self._signalled)
+
+    def _readable(self) -> bool:
+        try:
+            return bool(self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return True  # closed: the receive that follows says so
+
+    def _signalled(self) -> None:
+        if self._readable():
+            waiter, self._waiter = self._waiter, None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def wait(self) -> None:
+        while not self._readable():
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)
+
+
 class EngineSubscriber:
     def __init__(
         self,
@@ -255,17 +296,28 @@ class EngineSubscriber:
     async def _run(self) -> None:
         assert self._sub is not None
         sub = self._sub
-        # The same socket without the asyncio machinery, to take already-queued
-        # messages with no future and no loop round-trip each.
+        # The same socket without the asyncio machinery: messages are taken
+        # non-blocking, and waited for on the socket's descriptor (`_Arrivals`), with
+        # no future and no zmq.asyncio bookkeeping per message.
         queued = zmq.Socket.shadow(sub.underlying)
         if self.catch_up and self.replay_endpoint is not None:
             await self._probe()
+        arrivals = _Arrivals(queued, asyncio.get_running_loop())
+        try:
+            await self._receive(sub, queued, arrivals)
+        finally:
+            arrivals.close()
+
+    async def _receive(self, sub, queued: zmq.Socket, arrivals: _Arrivals) -> None:
         backlog = False  # the last wake-up left messages queued: take them now
         while True:
             try:
-                chunk = [await sub.recv_multipart()]
+                await arrivals.wait()
+                chunk = [queued.recv_multipart(zmq.NOBLOCK)]
+            except zmq.Again:
+                continue  # the descriptor spoke of something else
             except zmq.ZMQError as exc:
-                if exc.errno == zmq.ETERM or sub.closed:
+                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK) or sub.closed:
                     self.freshness.disconnected(time.monotonic())
                     log.info("kv events %s: socket closed, subscriber stops", self.engine_id)
                     return
@@ -284,7 +336,8 @@ class EngineSubscriber:
                     break
             backlog = len(chunk) >= most
             self.counters.wakes += 1
-            for frames in chunk:
+            last = len(chunk) - 1
+            for i, frames in enumerate(chunk):
                 try:
                     await self._on_frames(frames)
                 except asyncio.CancelledError:
@@ -292,9 +345,11 @@ class EngineSubscriber:
                 except Exception:  # never die on one message
                     log.exception("kv events %s: unexpected error handling a batch", self.engine_id)
                 # One batch a turn of the loop: a Plan that arrived meanwhile runs before
-                # the next batch (an awaited receive of a queued message does not yield),
-                # so it waits for at most one batch's work.
-                await asyncio.sleep(0)
+                # the next batch (taking a queued message does not yield), so it waits
+                # for at most one batch's work. After the last, waiting for the next
+                # message yields anyway.
+                if i < last or backlog:
+                    await asyncio.sleep(0)
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         """The live socket's lost connections: the view is behind from each until the

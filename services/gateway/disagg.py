@@ -63,7 +63,13 @@ from quillcache_gateway.continuation import (
 )
 from quillcache_gateway.errors import ApiError
 from quillcache_gateway.reservations import OpenPlans
-from quillcache_gateway.upstream import UPSTREAM_ERRORS, UpstreamError, UpstreamReply
+from quillcache_gateway.upstream import (
+    RELAY_HIGH,
+    RELAY_POLL_S,
+    UPSTREAM_ERRORS,
+    UpstreamError,
+    UpstreamReply,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +150,7 @@ class _Move:
 class SplitAnswer:
     """The client's answer when its first token came from the prefill call, read by the
     gateway's answer paths as an engine's reply (UpstreamReply's `status`, `headers`,
-    `read`, `read_all`, `release`): the first token's events at once, then the
+    `read`, `read_all`, `relay`, `release`): the first token's events at once, then the
     continuation's, re-shaped (continuation.py). Not thread-safe: one event loop."""
 
     def __init__(self, first: FirstToken, payload: dict) -> None:
@@ -207,6 +213,15 @@ class SplitAnswer:
             out = self._shaper.feed(data)
             if out:
                 return out
+
+    async def relay(self, sink: Callable[[bytes], bool], backlog: Callable[[], int]) -> None:
+        """`read`'s pieces to `sink`, as UpstreamReply.relay hands an engine's: until the
+        end, or until `sink` returns False; waits while `backlog` is over RELAY_HIGH."""
+        while data := await self.read():
+            if sink(data) is False:
+                return
+            while backlog() > RELAY_HIGH:
+                await asyncio.sleep(RELAY_POLL_S)
 
     async def read_all(self) -> bytes:
         """The whole answer (not streamed)."""

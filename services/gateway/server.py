@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from quillcache.v1 import common_pb2, conductor_pb2
 from quillcache_core.errors import InvalidArgument
@@ -711,41 +711,54 @@ class Gateway:
     async def _stream(
         self, request, upstream, plan, headers, call: _Call, prediction: Prediction
     ) -> web.StreamResponse:
+        """A streamed answer, relayed event by event (`upstream.relay`: each piece the
+        engine sends goes on to the client from the engine connection's own callback,
+        in the response's chunked framing), then Finish."""
         headers["Content-Type"] = "text/event-stream"
         headers["Cache-Control"] = "no-cache"
         resp = web.StreamResponse(status=200, headers=headers)
+        framed = request.version >= HttpVersion11  # else the body ends at close
+        if framed:
+            resp.enable_chunked_encoding()
         await resp.prepare(request)  # the decision headers go out before the first token
+        transport = request.transport
         outcome = SUCCESS
         ttft_s = 0.0
         tail = b"\n\n"
-        read = upstream.read
         explain = prediction if call.explain else None
         tap = StreamTap(keep_usage=wants_usage(call.job.payload), explain=explain)
+
+        def sink(chunk: bytes) -> bool:
+            nonlocal ttft_s, tail
+            if transport.is_closing():
+                return False  # the client left
+            if not ttft_s:
+                ttft_s = time.perf_counter() - call.arrived
+                self._timed(ttft_s, call.slo_ms, plan.engine_id)
+                self._prefilled(plan, ttft_s)
+                tap.ttft_ms = ttft_s * 1000
+            tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
+            shaped = tap.feed(chunk)
+            if shaped:
+                transport.write(b"%x\r\n%s\r\n" % (len(shaped), shaped) if framed else shaped)
+            return True
+
         try:
-            while True:
-                try:
-                    chunk = await read()
-                except UPSTREAM_ERRORS as exc:
-                    logger.warning("engine %s failed mid-stream: %r", plan.engine_id, exc)
-                    chunk = None
-                if not chunk:
-                    if not tail.endswith(DONE_EVENT):
-                        # The engine failed or closed early: end with an error event.
-                        outcome = ERROR
-                        self.upstream_failures.inc(phase="stream")
-                        await resp.write(tap.flush() + error_event(tail, plan.engine_id))
-                    else:
-                        await resp.write(tap.flush())
-                    break
-                if not ttft_s:
-                    ttft_s = time.perf_counter() - call.arrived
-                    self._timed(ttft_s, call.slo_ms, plan.engine_id)
-                    self._prefilled(plan, ttft_s)
-                    tap.ttft_ms = ttft_s * 1000
-                tail = chunk[-16:] if len(chunk) >= 16 else (tail + chunk)[-16:]
-                shaped = tap.feed(chunk)
-                if shaped:
-                    await resp.write(shaped)
+            if transport is None:
+                raise ConnectionResetError("the client left")
+            try:
+                await upstream.relay(sink, transport.get_write_buffer_size)
+            except UPSTREAM_ERRORS as exc:
+                logger.warning("engine %s failed mid-stream: %r", plan.engine_id, exc)
+            if transport.is_closing():
+                raise ConnectionResetError("the client left")
+            if not tail.endswith(DONE_EVENT):
+                # The engine failed or closed early: end with an error event.
+                outcome = ERROR
+                self.upstream_failures.inc(phase="stream")
+                await resp.write(tap.flush() + error_event(tail, plan.engine_id))
+            else:
+                await resp.write(tap.flush())
             with contextlib.suppress(ConnectionError):
                 await resp.write_eof()
         except (ConnectionError, asyncio.CancelledError):

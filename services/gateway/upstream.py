@@ -7,6 +7,12 @@ one does only what that path needs: pooled connections per engine, one write per
 request, the response head parsed once, the body read by Content-Length, chunked
 framing or to EOF, and one timer per request for the total deadline.
 
+Each connection is its own protocol (`_Conn`): what the engine sends is buffered for
+`read`, or, during `relay`, handed on from the connection's own callback as it
+arrives. A streamed answer is one small write from the engine per token; relayed this
+way, a token costs one callback instead of a task's wake-up through a stream reader
+and back out through a writer's coroutines.
+
 A request that fails on a reused connection before any byte of the answer arrived
 is sent once more on a new connection (the engine closed an idle connection as it
 was being reused). Not thread-safe: one event loop.
@@ -18,6 +24,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from quillcache_core.security.tls import Tls, role_of_cert
@@ -25,7 +32,12 @@ from quillcache_core.security.tls import Tls, role_of_cert
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
-READ_LIMIT = 1024 * 1024
+READ_LIMIT = 1024 * 1024  # buffered and unread: the engine's reading pauses above this
+# A relay's destination with more than RELAY_HIGH bytes queued pauses the engine's side
+# until it is under RELAY_LOW (checked every RELAY_POLL_S meanwhile).
+RELAY_HIGH = 256 * 1024
+RELAY_LOW = 64 * 1024
+RELAY_POLL_S = 0.005
 
 
 class UpstreamError(Exception):
@@ -36,24 +48,88 @@ class UpstreamError(Exception):
 UPSTREAM_ERRORS = (OSError, EOFError, asyncio.LimitOverrunError, TimeoutError, UpstreamError)
 
 
-class _Conn:
-    __slots__ = ("reader", "writer", "idle_since", "reused")
+class _Conn(asyncio.Protocol):
+    """One connection to an engine: the bytes it sent and not yet taken (`buf`), whether
+    it ended (`eof`), and at most one waiter for more, or one sink handed every arrival
+    (`bytes`, then None at the end)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
+    __slots__ = ("transport", "buf", "eof", "idle_since", "reused", "_waiter", "_sink", "_paused")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.eof = False
         self.idle_since = 0.0
         self.reused = False
+        self._waiter: asyncio.Future | None = None
+        self._sink: Callable[[bytes | None], None] | None = None
+        self._paused = False
+
+    # --- the transport's callbacks ------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._sink is not None:
+            self._sink(data)
+            return
+        self.buf += data
+        if len(self.buf) > READ_LIMIT and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._ended()
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended()
+
+    def _ended(self) -> None:
+        if self.eof:
+            return
+        self.eof = True
+        if self._sink is not None:
+            self._sink(None)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # --- the reply's side ---------------------------------------------------------------
+
+    async def more(self) -> None:
+        """Until more bytes arrive or the connection ends (`eof`)."""
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()
+        if self.eof:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
+
+    def hand_to(self, sink: Callable[[bytes | None], None] | None) -> None:
+        """Every arrival to `sink` from now on (None: buffered again)."""
+        self._sink = sink
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()
 
     def usable(self, now: float, idle_s: float) -> bool:
         return (
-            not self.reader.at_eof()
-            and not self.writer.is_closing()
+            not self.eof
+            and not self.buf  # bytes while idle: not a clean end of the last answer
+            and not self.transport.is_closing()
             and now - self.idle_since < idle_s
         )
 
     def close(self) -> None:
-        self.writer.transport.abort()
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class UpstreamPool:
@@ -108,7 +184,7 @@ class UpstreamPool:
             conn = await self._acquire(host, port)
             reply = UpstreamReply(self, (host, port), conn, loop, deadline)
             try:
-                conn.writer.write(head + body)
+                conn.transport.write(head + body)
                 await reply._read_head()
             except UPSTREAM_ERRORS:
                 reply.close()
@@ -144,16 +220,17 @@ class UpstreamPool:
                 conn.reused = True
                 return conn
             conn.close()
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=READ_LIMIT, ssl=self._ssl),
+        loop = asyncio.get_running_loop()
+        transport, conn = await asyncio.wait_for(
+            loop.create_connection(_Conn, host, port, ssl=self._ssl),
             self.connect_timeout_s,
         )
         if self._ssl is not None:
-            role = role_of_cert(writer.get_extra_info("peercert"))
+            role = role_of_cert(transport.get_extra_info("peercert"))
             if role != "engine":
-                writer.close()
+                transport.abort()
                 raise UpstreamError(f"{host}:{port} is not an engine (certificate of {role})")
-        return _Conn(reader, writer)
+        return conn
 
     def _release(self, key: tuple[str, int], conn: _Conn) -> None:
         idle = self._idle.setdefault(key, deque())
@@ -176,7 +253,8 @@ class UpstreamPool:
 
 
 class UpstreamReply:
-    """An engine's answer: status and headers read, the body read with `read`/`read_all`.
+    """An engine's answer: status and headers read, the body read with `read`/`read_all`
+    or handed on with `relay`.
 
     `release()` must be called once: the connection goes back to the pool when the
     body was read to its end and both sides keep it alive, else it is closed.
@@ -192,7 +270,6 @@ class UpstreamReply:
         "_remaining",
         "_keep_alive",
         "_done",
-        "_buf",
         "head_started",
         "status",
         "headers",
@@ -208,7 +285,6 @@ class UpstreamReply:
         self._remaining = -1  # body bytes left; -1 = until EOF
         self._keep_alive = False
         self._done = False
-        self._buf = bytearray()  # chunked: bytes read past the last whole chunk
         self.head_started = False
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -222,21 +298,29 @@ class UpstreamReply:
             return UpstreamError("the engine did not answer within the deadline")
         return exc
 
+    def _cut_short(self) -> BaseException:
+        return self._failed(asyncio.IncompleteReadError(bytes(self._conn.buf), None))
+
     async def _read_head(self) -> None:
-        reader = self._conn.reader
+        conn = self._conn
+        buf = conn.buf
         while True:
-            try:
-                raw = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError as exc:
-                self.head_started = bool(exc.partial)
-                raise self._failed(exc) from None
-            except asyncio.LimitOverrunError:
-                self.head_started = True
-                raise UpstreamError("the engine's response head is too large") from None
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD_BYTES:
+                    self.head_started = True
+                    raise UpstreamError("the engine's response head is too large")
+                if conn.eof:
+                    self.head_started = bool(buf)
+                    raise self._cut_short()
+                await conn.more()
+                continue
             self.head_started = True
-            if len(raw) > MAX_HEAD_BYTES:
+            if end > MAX_HEAD_BYTES:
                 raise UpstreamError("the engine's response head is too large")
-            first, _, raw = raw[:-4].partition(b"\r\n")
+            raw = bytes(buf[:end])
+            del buf[: end + 4]
+            first, _, raw = raw.partition(b"\r\n")
             version, status = _status_line(first)
             if not 100 <= status < 200:
                 break  # else an interim answer (100 Continue): the real one follows
@@ -270,39 +354,34 @@ class UpstreamReply:
         if self._remaining == 0:
             self._done = True
 
-    async def read(self) -> bytes:
-        """The next piece of the body as it arrives; b"" at its end.
-
-        A chunked body gives every whole chunk that has arrived, at least one: a
-        stream's events that came in one read go on in one write (the same bytes)."""
-        if self._done:
-            return b""
-        reader = self._conn.reader
-        try:
-            if self._chunked:
-                return await self._read_chunks(reader)
-            if self._remaining < 0:
-                data = await reader.read(65536)
-                if not data:
-                    self._done = True
-                return data
-            data = await reader.read(min(self._remaining, 65536))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", self._remaining)
-            self._remaining -= len(data)
+    def _take(self) -> bytes:
+        """The body's bytes buffered and whole (every whole chunk, when chunked); b""
+        when none yet. Sets `_done` at the body's end; raises UpstreamError on bad framing
+        and the cut-short error when the connection ended before the body did."""
+        conn = self._conn
+        buf = conn.buf
+        if self._chunked:
+            out = self._take_chunks(buf)
+        elif self._remaining < 0:
+            out = bytes(buf)
+            buf.clear()
+            if conn.eof:
+                self._done = True
+            return out
+        else:
+            out = bytes(buf[: self._remaining])
+            del buf[: len(out)]
+            self._remaining -= len(out)
             if self._remaining == 0:
                 self._done = True
-            return data
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError) as exc:
-            raise self._failed(exc) from None
+        if not self._done and not out and conn.eof:
+            raise self._cut_short()
+        return out
 
-    async def _read_chunks(self, reader: asyncio.StreamReader) -> bytes:
-        """The data of the whole chunks buffered, reading until there is one (or the
-        last chunk: then the trailers are read too and the body is done)."""
-        buf = self._buf
+    def _take_chunks(self, buf: bytearray) -> bytes:
         out: list[bytes] = []
-        while True:
-            pos, size_end = 0, buf.find(b"\r\n")
+        pos, size_end = 0, buf.find(b"\r\n")
+        try:
             while size_end >= 0:
                 try:
                     size = int(bytes(buf[pos:size_end]).split(b";", 1)[0], 16)
@@ -317,9 +396,9 @@ class UpstreamReply:
                         break
                     if len(buf) > end + 4:
                         self._keep_alive = False  # bytes after the body: not reusable
-                    buf.clear()
+                    pos = len(buf)
                     self._done = True
-                    return b"".join(out)
+                    break
                 end = size_end + 2 + size
                 if len(buf) < end + 2:
                     break
@@ -328,31 +407,90 @@ class UpstreamReply:
                 out.append(bytes(buf[size_end + 2 : end]))
                 pos = end + 2
                 size_end = buf.find(b"\r\n", pos)
+        finally:
             if pos:
                 del buf[:pos]
+        if not out and not self._done and size_end < 0 and len(buf) > MAX_HEAD_BYTES:
+            raise UpstreamError("malformed chunk size")
+        return b"".join(out)
+
+    async def read(self) -> bytes:
+        """The next piece of the body as it arrives; b"" at its end.
+
+        A chunked body gives every whole chunk that has arrived, at least one: a
+        stream's events that came in one read go on in one write (the same bytes)."""
+        while not self._done:
+            out = self._take()
             if out:
-                return b"".join(out)
-            if size_end < 0 and len(buf) > MAX_HEAD_BYTES:
-                raise UpstreamError("malformed chunk size")
-            data = await reader.read(65536)
-            if not data:
-                raise asyncio.IncompleteReadError(bytes(buf), None)
-            buf += data
+                return out
+            if self._done:
+                break
+            await self._conn.more()
+        return b""
 
     async def read_all(self) -> bytes:
         """The whole body (the engine's non-streamed answers are small)."""
-        if not self._chunked and self._remaining > 0:
-            try:
-                data = await self._conn.reader.readexactly(self._remaining)
-            except (asyncio.IncompleteReadError, OSError) as exc:
-                raise self._failed(exc) from None
-            self._remaining = 0
-            self._done = True
-            return data
         parts = []
         while piece := await self.read():
             parts.append(piece)
         return b"".join(parts)
+
+    async def relay(self, sink: Callable[[bytes], bool], backlog: Callable[[], int]) -> None:
+        """Hand each piece of the body to `sink` as it arrives, from the connection's
+        own callback, until the body's end.
+
+        `sink` returns False when it wants no more (its reader left): the relay ends
+        at once, and the connection is not reused. `backlog` tells how many bytes the
+        sink's destination has queued: above RELAY_HIGH the engine's side pauses until
+        it is under RELAY_LOW. Raises one of UPSTREAM_ERRORS if the body fails, or what
+        `sink` raised."""
+        conn = self._conn
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        paused = False
+
+        def resume_when_drained() -> None:
+            nonlocal paused
+            if ended.done():
+                return
+            if backlog() > RELAY_LOW:
+                loop.call_later(RELAY_POLL_S, resume_when_drained)
+                return
+            paused = False
+            conn.transport.resume_reading()
+
+        def arrived(data: bytes | None) -> None:
+            nonlocal paused
+            if ended.done():
+                return
+            if data:
+                conn.buf += data
+            try:
+                out = self._take()
+                if out and sink(out) is False:
+                    self._keep_alive = False
+                    ended.set_result(None)
+                    return
+                if data is None and not self._done:
+                    raise self._cut_short()
+            except BaseException as exc:  # noqa: BLE001 - the relay's caller gets it
+                ended.set_exception(exc)
+                return
+            if self._done:
+                ended.set_result(None)
+            elif not paused and backlog() > RELAY_HIGH:
+                paused = True
+                conn.transport.pause_reading()
+                loop.call_later(RELAY_POLL_S, resume_when_drained)
+
+        conn.hand_to(arrived)
+        try:
+            arrived(None if conn.eof else b"")  # what came with the head, or its end
+            await ended
+        finally:
+            conn.hand_to(None)
+            if paused and not conn.eof:
+                conn.transport.resume_reading()
 
     def release(self) -> None:
         if self._conn is None:

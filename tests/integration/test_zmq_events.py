@@ -548,3 +548,59 @@ def test_a_backlog_of_batches_yields_to_other_tasks_after_each_batch():
             ctx.term()
 
     run(scenario())
+
+
+def test_a_subscriber_between_batches_costs_no_cpu_and_misses_none():
+    """The subscriber waits on the socket's descriptor: between batches it spends
+    nothing (no polling, no spinning on a signalled descriptor), and batches sent one
+    at a time after a quiet spell, or in a burst, each arrive once and in order."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    async def scenario() -> None:
+        ctx = zmq.asyncio.Context()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind("tcp://127.0.0.1:*")
+        endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        applied: list[int] = []
+        sub = EngineSubscriber(
+            ENGINE,
+            endpoint,
+            None,
+            on_batch=lambda _e, seq, _b: applied.append(seq),
+            catch_up=False,
+        )
+        sub.start()
+        payload = msgpack.packb([1.0, [["AllBlocksCleared"]], 0])
+        try:
+            seq = 0
+            while not applied:  # until the subscription is live
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                seq += 1
+                with contextlib.suppress(AssertionError):
+                    await until(lambda: bool(applied), "first batch", timeout_s=0.3)
+            await until(lambda: sub.last_seq == seq - 1, "the warm-up batches")
+            first = len(applied)
+            cpu = time.thread_time()
+            await asyncio.sleep(1.0)  # quiet: nothing published
+            idle_cpu_s = time.thread_time() - cpu
+            assert idle_cpu_s < 0.05, f"{idle_cpu_s * 1e3:.0f} ms of CPU in a quiet second"
+            for _ in range(5):  # one at a time, each after a quiet spell
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                seq += 1
+                sent = seq - 1
+                await until(lambda sent=sent: sub.last_seq == sent, "a batch after a pause")
+                await asyncio.sleep(0.05)
+            for _ in range(200):  # a burst
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                seq += 1
+            await until(lambda: sub.last_seq == seq - 1, "the burst")
+            assert applied[first - 1 :] == list(range(applied[first - 1], seq))
+        finally:
+            await sub.stop()
+            pub.close(0)
+            ctx.term()
+
+    run(scenario())
