@@ -75,28 +75,34 @@ def whole_engine_blocks(
     tokens too), and the engine can reuse none of it. So an engine with k > 1 keeps its
     copies of blocks [0, floor(h / k) * k), h being how many leading blocks it holds.
     """
-    cut: dict[str, int] = {}
-    for engine, parts in block_parts.items():
-        if parts <= 1:
-            continue
-        held = 0
-        for found in located:
-            if not any(r.worker_id == engine and r.tier is CacheTier.HBM for r in found):
-                break
-            held += 1
-        if held % parts:
-            cut[engine] = held - held % parts
+    parted = {engine: parts for engine, parts in block_parts.items() if parts > 1}
+    if not parted:
+        return list(located)
+    hbm = CacheTier.HBM
+    held = dict.fromkeys(parted, 0)  # each engine's leading blocks held, in one pass
+    holding = set(parted)
+    for found in located:
+        holding = holding.intersection([r.worker_id for r in found if r.tier is hbm])
+        if not holding:
+            break
+        for engine in holding:
+            held[engine] += 1
+    cut = {
+        engine: count - count % parted[engine]
+        for engine, count in held.items()
+        if count % parted[engine]
+    }
     if not cut:
         return list(located)
-    out: list[Sequence[CacheResidency]] = []
-    for position, found in enumerate(located):
+    first = min(cut.values())  # before it, no copy is cut
+    out: list[Sequence[CacheResidency]] = list(located[:first])
+    for position in range(first, len(located)):
+        found = located[position]
         if any(r.worker_id in cut and position >= cut[r.worker_id] for r in found):
             found = [
                 r
                 for r in found
-                if not (
-                    r.worker_id in cut and position >= cut[r.worker_id] and r.tier is CacheTier.HBM
-                )
+                if not (r.worker_id in cut and position >= cut[r.worker_id] and r.tier is hbm)
             ]
         if not found:
             break  # as locate_prefix: the usable prefix ends at a block held nowhere
