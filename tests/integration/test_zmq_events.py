@@ -495,22 +495,54 @@ def test_a_silent_replay_socket_times_out_and_the_stream_goes_on():
     run(scenario())
 
 
+class _BarePublisher:
+    """A PUB socket in this process that numbers what it sends: each batch one
+    AllBlocksCleared, as a live engine's would be framed."""
+
+    def __init__(self) -> None:
+        import msgpack
+        import zmq
+        import zmq.asyncio
+
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.payload = msgpack.packb([1.0, [["AllBlocksCleared"]], 0])
+        self.seq = 0  # the next batch's sequence number
+
+    async def send(self, count: int = 1) -> None:
+        for _ in range(count):
+            await self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), self.payload])
+            self.seq += 1
+
+    async def until_live(self, sub: EngineSubscriber, applied: list[int]) -> None:
+        """Send until `sub` applies a batch (the subscription is live), then until it
+        has applied everything sent."""
+        while not applied:
+            await self.send()
+            with contextlib.suppress(AssertionError):
+                await until(lambda: bool(applied), "first batch", timeout_s=0.3)
+        await self.caught_up(sub, "the warm-up batches")
+
+    async def caught_up(self, sub: EngineSubscriber, what: str) -> None:
+        last = self.seq - 1
+        await until(lambda: sub.last_seq == last, what)
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.ctx.term()
+
+
 def test_a_backlog_of_batches_yields_to_other_tasks_after_each_batch():
     """A Plan arriving during an event backlog waits for one batch's work, not a chunk's:
     with batches that take 20 ms to apply queued in the socket, another task of the
     loop is never kept waiting for two of them."""
-    import msgpack
-    import zmq
-    import zmq.asyncio
-
     batch_s = 0.02
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.bind("tcp://127.0.0.1:*")
-        endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        pub = _BarePublisher()
         applied: list[int] = []
         slow = False
 
@@ -519,24 +551,15 @@ def test_a_backlog_of_batches_yields_to_other_tasks_after_each_batch():
                 time.sleep(batch_s)  # the batch's decode and index work, holding the loop
             applied.append(seq)
 
-        sub = EngineSubscriber(ENGINE, endpoint, None, on_batch=on_batch, catch_up=False)
+        sub = EngineSubscriber(ENGINE, pub.endpoint, None, on_batch=on_batch, catch_up=False)
         sub.start()
-        payload = msgpack.packb([1.0, [["AllBlocksCleared"]], 0])
         try:
-            seq = 0
-            while not applied:  # until the subscription is live
-                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-                seq += 1
-                with contextlib.suppress(AssertionError):
-                    await until(lambda: bool(applied), "first batch", timeout_s=0.3)
-            await until(lambda: sub.last_seq == seq - 1, "the warm-up batches")
+            await pub.until_live(sub, applied)
             slow = True
             backlog = 24
-            for _ in range(backlog):
-                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-                seq += 1
+            await pub.send(backlog)
             waits: list[float] = []
-            while sub.last_seq < seq - 1:
+            while sub.last_seq < pub.seq - 1:
                 t = time.perf_counter()
                 await asyncio.sleep(0)
                 waits.append(time.perf_counter() - t)
@@ -544,8 +567,7 @@ def test_a_backlog_of_batches_yields_to_other_tasks_after_each_batch():
             assert max(waits) < 1.8 * batch_s, f"longest wait {max(waits) * 1e3:.0f} ms"
         finally:
             await sub.stop()
-            pub.close(0)
-            ctx.term()
+            pub.close()
 
     run(scenario())
 
@@ -554,53 +576,34 @@ def test_a_subscriber_between_batches_costs_no_cpu_and_misses_none():
     """The subscriber waits on the socket's descriptor: between batches it spends
     nothing (no polling, no spinning on a signalled descriptor), and batches sent one
     at a time after a quiet spell, or in a burst, each arrive once and in order."""
-    import msgpack
-    import zmq
-    import zmq.asyncio
 
     async def scenario() -> None:
-        ctx = zmq.asyncio.Context()
-        pub = ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.bind("tcp://127.0.0.1:*")
-        endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        pub = _BarePublisher()
         applied: list[int] = []
         sub = EngineSubscriber(
             ENGINE,
-            endpoint,
+            pub.endpoint,
             None,
             on_batch=lambda _e, seq, _b: applied.append(seq),
             catch_up=False,
         )
         sub.start()
-        payload = msgpack.packb([1.0, [["AllBlocksCleared"]], 0])
         try:
-            seq = 0
-            while not applied:  # until the subscription is live
-                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-                seq += 1
-                with contextlib.suppress(AssertionError):
-                    await until(lambda: bool(applied), "first batch", timeout_s=0.3)
-            await until(lambda: sub.last_seq == seq - 1, "the warm-up batches")
+            await pub.until_live(sub, applied)
             first = len(applied)
             cpu = time.thread_time()
             await asyncio.sleep(1.0)  # quiet: nothing published
             idle_cpu_s = time.thread_time() - cpu
             assert idle_cpu_s < 0.05, f"{idle_cpu_s * 1e3:.0f} ms of CPU in a quiet second"
             for _ in range(5):  # one at a time, each after a quiet spell
-                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-                seq += 1
-                sent = seq - 1
-                await until(lambda sent=sent: sub.last_seq == sent, "a batch after a pause")
+                await pub.send()
+                await pub.caught_up(sub, "a batch after a pause")
                 await asyncio.sleep(0.05)
-            for _ in range(200):  # a burst
-                await pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-                seq += 1
-            await until(lambda: sub.last_seq == seq - 1, "the burst")
-            assert applied[first - 1 :] == list(range(applied[first - 1], seq))
+            await pub.send(200)  # a burst
+            await pub.caught_up(sub, "the burst")
+            assert applied[first - 1 :] == list(range(applied[first - 1], pub.seq))
         finally:
             await sub.stop()
-            pub.close(0)
-            ctx.term()
+            pub.close()
 
     run(scenario())
