@@ -30,9 +30,9 @@ translator applies in bulk, and which reads like a DecodedBatch through `events`
 Receiving never waits on applying: libzmq's I/O thread keeps reading the socket into
 its receive queue (bounded by `rcvhwm` messages; past it the publisher drops and the
 gap is replayed), and each wake-up of the subscriber task takes up to
-`max_batches_per_wake` queued messages at once, non-blocking (one future for the
-chunk, not one per message, waited for on the socket's descriptor with the loop's own
-reader rather than zmq.asyncio's futures), and applies them one a turn of the event loop: a Plan
+`max_batches_per_wake` queued messages at once, non-blocking (a wake-up waits on the
+socket's descriptor with the loop's own reader, not on a zmq.asyncio future for each
+message), and applies them one a turn of the event loop: a Plan
 that arrives during a backlog waits for at most one batch, not the whole chunk. A
 `linger` (a standby's, standby.py) is awaited after the first message of a wake-up,
 and the wake-up then takes up to `LINGER_MAX_BATCHES`; a wake-up that filled its
