@@ -104,9 +104,7 @@ class _Conn(asyncio.Protocol):
 
     async def more(self) -> None:
         """Until more bytes arrive or the connection ends (`eof`)."""
-        if self._paused:
-            self._paused = False
-            self.transport.resume_reading()
+        self._unpause()
         if self.eof:
             return
         self._waiter = asyncio.get_running_loop().create_future()
@@ -115,6 +113,10 @@ class _Conn(asyncio.Protocol):
     def hand_to(self, sink: Callable[[bytes | None], None] | None) -> None:
         """Every arrival to `sink` from now on (None: buffered again)."""
         self._sink = sink
+        self._unpause()
+
+    def _unpause(self) -> None:
+        """Read from the engine again after a full buffer paused it."""
         if self._paused:
             self._paused = False
             self.transport.resume_reading()
